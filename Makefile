@@ -1,0 +1,60 @@
+# The workbook's commands. `make lab` and `make test` are the two a person needs; both install first.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+PYTHON ?= python3
+VENV ?= .venv
+PORT ?= 8888
+# 127.0.0.1 keeps the lab private to this machine; on a compute node reach it with an ssh tunnel (README).
+LAB_IP ?= 127.0.0.1
+HOROVOD_GPU_OPERATIONS ?=
+NBVAL_TIMEOUT ?= 600
+export PYTHON VENV HOROVOD_GPU_OPERATIONS
+BIN := $(VENV)/bin
+
+.PHONY: help install lab test unit nbval notebooks slides bench doctor clean check-vars
+
+help:
+	@echo "make lab        set up if needed, then JupyterLab on notebooks/ (token auth, prints the URL)"
+	@echo "make test       set up if needed, then unit tests and pytest --nbval notebooks/"
+	@echo "make install    system MPI, .venv (pinned), Horovod (built, cached), the 'tutorial' kernel"
+	@echo "make notebooks  re-execute every notebook in place to refresh stored outputs (CPU preset)"
+	@echo "make slides     one reveal.js deck per notebook in slides/, opens offline"
+	@echo "make bench      throughput and all-reduce benchmarks, appended to results/"
+	@echo "make doctor     what is installed and whether the workbook can run here"
+
+check-vars:
+	@case "$(HOROVOD_GPU_OPERATIONS)" in ""|NCCL) ;; *) echo "error: HOROVOD_GPU_OPERATIONS=$(HOROVOD_GPU_OPERATIONS) is not supported; use NCCL or leave it unset" >&2; exit 2;; esac
+	@case "$(PORT)" in ''|*[!0-9]*) echo "error: PORT=$(PORT) is not a port number; use e.g. PORT=8888" >&2; exit 2;; esac
+
+install: check-vars
+	@bash scripts/install.sh
+
+doctor: install
+	@$(BIN)/tutorial doctor
+
+lab: install
+	@bash scripts/lab.sh "$(LAB_IP)" "$(PORT)"
+
+unit: install
+	$(BIN)/python -m pytest tests
+
+nbval: install
+	$(BIN)/python -m pytest --nbval notebooks/ --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout $(NBVAL_TIMEOUT) -p no:cacheprovider
+
+test: install
+	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest --nbval notebooks/ --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout $(NBVAL_TIMEOUT) -p no:cacheprovider
+	@bash scripts/check_leftovers.sh
+
+notebooks: install
+	@bash scripts/run_notebooks.sh
+
+slides: install
+	@bash scripts/slides.sh
+
+bench: install
+	$(BIN)/tutorial bench allreduce --backend gloo --nproc 2
+	$(BIN)/tutorial bench train --strategy ddp --nproc 2 --preset smoke
+
+clean:
+	rm -rf runs slides/*.html .pytest_cache

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# `make install`: everything the workbook needs, idempotent (seconds when all is there).
+#   1. system packages: Open MPI with headers, cmake, a C++ compiler (apt, when root and missing)
+#   2. .venv with the pinned requirements.txt (re-run only when requirements.txt changes)
+#   3. the tutorial package, editable
+#   4. Horovod, built from source by scripts/install_horovod.sh (cached wheel)
+#   5. a Jupyter kernel "tutorial" registered inside the venv, used by JupyterLab and nbval
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+say() { echo "install: $*"; }
+die() { echo "install: error: $*" >&2; exit 1; }
+
+case "${HOROVOD_GPU_OPERATIONS:-}" in
+  ""|NCCL) ;;
+  *) echo "install: error: HOROVOD_GPU_OPERATIONS=${HOROVOD_GPU_OPERATIONS} is not supported; use NCCL or leave it unset (CPU ops)" >&2; exit 2 ;;
+esac
+
+# 1. system packages
+missing=()
+command -v mpicc >/dev/null || missing+=(openmpi-bin libopenmpi-dev)
+command -v cmake >/dev/null || missing+=(cmake)
+command -v g++ >/dev/null || missing+=(g++)
+if ((${#missing[@]})); then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    say "apt-get install ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    die "missing ${missing[*]}: install them (sudo apt-get install ${missing[*]}), or load your site's MPI, cmake and compiler modules"
+  fi
+fi
+
+# 2. the virtual environment
+"$PYTHON" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 12))' \
+  || die "$("$PYTHON" -V 2>&1) is not supported; use Python 3.10-3.12 (set PYTHON=python3.11)"
+[[ -x $VENV/bin/python ]] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
+stamp=$VENV/.requirements.sha256
+want=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+  say "installing requirements.txt into $VENV (torch is a few GB the first time)"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -r requirements.txt
+  # PyPI's torchvision is built against a CUDA torch; a mismatched torch fails here rather than in a notebook.
+  "$VENV/bin/python" -c 'import torch, torchvision; torchvision.ops.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)' \
+    || die "torch and torchvision do not work together; check the pair pinned in requirements.txt"
+  echo "$want" > "$stamp"
+fi
+
+# 3. the package
+"$VENV/bin/python" -c 'import tutorial' 2>/dev/null || "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
+
+# 4. Horovod
+bash scripts/install_horovod.sh "$VENV/bin/python"
+
+# 5. the Jupyter kernel
+kernel=$VENV/share/jupyter/kernels/tutorial/kernel.json
+if [[ ! -f $kernel ]] || ! grep -q "$(cd "$VENV" && pwd)/bin/python" "$kernel"; then
+  "$VENV/bin/python" -m ipykernel install --sys-prefix --name tutorial --display-name "Python (distributed tutorial)" >/dev/null
+  say "registered Jupyter kernel 'tutorial'"
+fi
+say "ready ($VENV)"

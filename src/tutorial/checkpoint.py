@@ -1,0 +1,62 @@
+"""Checkpoints: written by rank 0 only, atomically; read by every rank (03_distributed_data_parallel).
+
+A checkpoint holds the unwrapped model (no "module." prefixes), so a run saved by DDP resumes in one process, under
+Horovod or with another world size.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import ConfigError, TrainConfig
+
+
+@dataclass
+class State:
+    epoch: int = 0          # epochs completed
+    step: int = 0           # optimizer steps taken
+    history: list = field(default_factory=list)  # per-epoch metrics so far
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    model = getattr(model, "module", model)       # DataParallel, DistributedDataParallel
+    return getattr(model, "_orig_mod", model)     # torch.compile
+
+
+def save(cfg: TrainConfig, model, optimizer, scaler, state: State) -> None:
+    """Write out/checkpoint.pt. Call it on rank 0 only. A crash mid-write never leaves a truncated checkpoint:
+    the file is written beside the old one and renamed over it."""
+    if not cfg.out:
+        return
+    path = os.path.join(cfg.out, "checkpoint.pt")
+    tmp = path + ".tmp"
+    torch.save({
+        "model": unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "epoch": state.epoch,
+        "step": state.step,
+        "history": state.history,
+        "config": cfg.to_dict(),
+    }, tmp)
+    os.replace(tmp, path)
+
+
+def resume(cfg: TrainConfig, model, optimizer, scaler, device: torch.device) -> State:
+    """Load cfg.resume_path into model, optimizer and scaler on every rank; a fresh State when not resuming."""
+    path = cfg.resume_path
+    if not path:
+        return State()
+    if not os.path.isfile(path):
+        if cfg.resume == "auto":
+            return State()  # nothing to resume yet: the first run of a resumable job
+        raise ConfigError(f"resume checkpoint {path!r} does not exist")
+    # map_location: a checkpoint saved on GPU 0 must load onto this rank's device, not pile up on GPU 0.
+    ckpt = torch.load(path, map_location=device, weights_only=False)
+    unwrap(model).load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt["scaler"]:  # empty when the run that saved it had no loss scaling (fp32, bf16)
+        scaler.load_state_dict(ckpt["scaler"])
+    return State(ckpt["epoch"], ckpt["step"], ckpt["history"])

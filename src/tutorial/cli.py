@@ -1,0 +1,124 @@
+"""`tutorial doctor | train | bench` (also `python -m tutorial ...`).
+
+doctor is the first cell of 00_setup: what is on this machine, and whether the workbook can run here.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+import shutil
+import subprocess
+import sys
+
+STAGES = ("single", "dp", "ddp", "horovod")
+
+
+def _version(module: str):
+    try:
+        return importlib.import_module(module), None
+    except Exception as exc:  # noqa: BLE001 - a broken install raises anything, report it as missing
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _mpi_runtime() -> str | None:
+    exe = shutil.which("mpirun") or shutil.which("mpiexec")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else exe
+
+
+def doctor_rows():
+    """(name, what is there, fix or None). A fix means the workbook cannot run until it is applied."""
+    rows = [("python", platform.python_version(), None if sys.version_info >= (3, 10) else "use Python 3.10-3.12")]
+    reinstall = "run 'make install'"
+    torch, err = _version("torch")
+    if torch is None:
+        return rows + [("torch", err, reinstall)]
+    cuda = torch.version.cuda or "none (CPU build)"
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda and torch.cuda.is_available() else "-"
+    rows.append(("torch", f"{torch.__version__} (CUDA {cuda}, NCCL {nccl})", None))
+    tv, err = _version("torchvision")
+    rows.append(("torchvision", tv.__version__ if tv else err, None if tv else reinstall))
+    n = torch.cuda.device_count()
+    names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(n)})) if n else "none: CPU presets (gloo)"
+    rows.append(("GPUs", f"{n} {names}" if n else names, None))
+    mpi = _mpi_runtime()
+    rows.append(("MPI", mpi or "not found",
+                 None if mpi else "install Open MPI (apt-get install openmpi-bin libopenmpi-dev) or load an MPI module"))
+    mpi4py, err = _version("mpi4py")
+    if mpi4py:
+        rows.append(("mpi4py", mpi4py.__version__, None))
+    else:
+        rows.append(("mpi4py", err, "pip install mpi4py (needs MPI headers), or 'make install'"))
+    hvd, err = _version("horovod.torch")
+    if hvd:
+        controllers = [name for name, ok in (("MPI", hvd.mpi_built()), ("Gloo", hvd.gloo_built())) if ok]
+        ops = [name for name, ok in (("NCCL", hvd.nccl_built()), ("MPI", hvd.mpi_built()),
+                                     ("Gloo", hvd.gloo_built())) if ok]
+        import horovod
+        rows.append(("horovod", f"{horovod.__version__}: PyTorch; controllers {'+'.join(controllers)}; "
+                                f"tensor ops {'+'.join(ops)}", None))
+    else:
+        rows.append(("horovod", err, "bash scripts/install_horovod.sh (or 'make install')"))
+    for module, label in (("ipyparallel", "ipyparallel"), ("nbval", "nbval"), ("tensorboard", "tensorboard"),
+                          ("jupyterlab", "jupyterlab")):
+        mod, err = _version(module)
+        rows.append((label, getattr(mod, "__version__", "?") if mod else err, None if mod else reinstall))
+    return rows
+
+
+def doctor(argv=None) -> int:
+    argparse.ArgumentParser(prog="tutorial doctor", description="What is installed; exit 1 if something is missing.") \
+        .parse_args(argv)
+    rows = doctor_rows()
+    width = max(len(r[0]) for r in rows)
+    for name, value, fix in rows:
+        print(f"{name:<{width}}  {'MISSING ' if fix else ''}{value}")
+    missing = [(name, fix) for name, _, fix in rows if fix]
+    if missing:
+        print()
+        for name, fix in missing:
+            print(f"missing {name}: {fix}", file=sys.stderr)
+        return 1
+    print("\nready: the workbook can run on this machine")
+    return 0
+
+
+def train(argv) -> int:
+    if not argv or argv[0] not in STAGES:
+        given = argv[0] if argv else "nothing"
+        print(f"error: stage {given!r} is not one of: {', '.join(STAGES)} "
+              "(usage: tutorial train STAGE [options]; launch ddp/horovod with torchrun, mpirun or horovodrun)",
+              file=sys.stderr)
+        return 2
+    from .config import parse_args, run_main
+    module = importlib.import_module(f"tutorial.train_{argv[0]}")
+    run_main(module.main, parse_args(f"tutorial train {argv[0]}", argv[1:], horovod=argv[0] == "horovod"))
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"doctor": doctor, "train": train}
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: tutorial {doctor,train,bench} ...\n\n"
+              "  doctor   what is installed; exit 1 with a fix per missing piece\n"
+              "  train    tutorial train {single,dp,ddp,horovod} [options] (see --help of each)\n"
+              "  bench    throughput, all-reduce and scaling benchmarks (tutorial bench --help)")
+        return 0 if argv else 2
+    if argv[0] == "bench":
+        from . import bench
+        return bench.main(argv[1:])
+    if argv[0] not in commands:
+        print(f"error: command {argv[0]!r} is not one of: doctor, train, bench", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Datasets and loaders (taught in 01_single_device; the samplers in 03_distributed_data_parallel).
+
+digits (scikit-learn's real 8x8 handwritten digits, shipped with the package) is the offline CPU default. MNIST and
+CIFAR-10 come through torchvision: downloaded where there is internet, else read from --data-dir. ImageFolder reads an
+ImageNet layout (train/ and val/ with one folder per class). synthetic feeds random images for throughput runs.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from .config import ConfigError, TrainConfig
+
+
+class DataError(ConfigError):
+    """Data that cannot be found or read; reported like a bad option (one line, exit code 2)."""
+
+
+@dataclass
+class DataInfo:
+    in_channels: int
+    num_classes: int
+    image_size: int
+
+
+class SyntheticImages(Dataset):
+    """Random images with fixed labels: no decoding or disk I/O, so throughput measures the model alone."""
+
+    def __init__(self, size: int, image_size: int, num_classes: int = 1000, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.images = torch.randn(16, 3, image_size, image_size, generator=gen)
+        self.size, self.num_classes = size, num_classes
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        return self.images[i % len(self.images)], i % self.num_classes
+
+
+def _digits(seed: int = 0):
+    from sklearn.datasets import load_digits
+    images, labels = load_digits(return_X_y=True)
+    x = torch.tensor(images, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+    x = (x - 0.3) / 0.35  # roughly zero mean, unit variance
+    y = torch.tensor(labels, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))  # fixed split, same on every rank
+    n_test = len(x) // 5
+    test, train = order[:n_test], order[n_test:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test]), DataInfo(1, 10, 8)
+
+
+def _torchvision(cfg: TrainConfig):
+    from torchvision import datasets, transforms as T
+    if cfg.dataset == "mnist":
+        cls, info = datasets.MNIST, DataInfo(1, 10, 28)
+        normalize = T.Normalize((0.1307,), (0.3081,))
+        train_tf = test_tf = T.Compose([T.ToTensor(), normalize])
+    else:
+        cls, info = datasets.CIFAR10, DataInfo(3, 10, 32)
+        normalize = T.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+        train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
+        test_tf = T.Compose([T.ToTensor(), normalize])
+    try:
+        return cls(cfg.data_dir, train=True, transform=train_tf), cls(cfg.data_dir, train=False, transform=test_tf), info
+    except RuntimeError:
+        pass  # not on disk: try to download it, as the seeds do on machines with internet
+    old_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(30)  # a compute node without internet should fail in seconds, not hang
+    try:
+        os.makedirs(cfg.data_dir, exist_ok=True)
+        train = cls(cfg.data_dir, train=True, transform=train_tf, download=True)
+        return train, cls(cfg.data_dir, train=False, transform=test_tf, download=True), info
+    except Exception as exc:  # noqa: BLE001 - any download failure means the same thing to the user
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(f"{cfg.dataset} is not in --data-dir {cfg.data_dir!r} and could not be downloaded "
+                        f"({reason}); download it on a login node into that folder") from None
+    finally:
+        socket.setdefaulttimeout(old_timeout)
+
+
+def _imagefolder(cfg: TrainConfig):
+    from torchvision import datasets, transforms as T
+    size = cfg.image_size or 224
+    dirs = [os.path.join(cfg.data_dir, part) for part in ("train", "val")]
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise DataError(f"imagefolder needs {d!r} (an ImageNet layout: train/ and val/ with one folder per class)")
+    normalize = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
+    test_tf = T.Compose([T.Resize(int(size * 8 / 7)), T.CenterCrop(size), T.ToTensor(), normalize])
+    train, test = datasets.ImageFolder(dirs[0], train_tf), datasets.ImageFolder(dirs[1], test_tf)
+    return train, test, DataInfo(3, len(train.classes), size)
+
+
+def build_datasets(cfg: TrainConfig):
+    """(train_set, test_set, DataInfo) for cfg.dataset; identical on every rank."""
+    if cfg.dataset == "digits":
+        return _digits()
+    if cfg.dataset in ("mnist", "cifar10"):
+        return _torchvision(cfg)
+    if cfg.dataset == "imagefolder":
+        return _imagefolder(cfg)
+    size = cfg.image_size or 224
+    # Enough samples for max_steps (or 64 steps) of the global batch; the exact count does not matter.
+    n = max(cfg.max_steps, 64) * cfg.batch_size * cfg.grad_accum * 8
+    return SyntheticImages(n, size), SyntheticImages(cfg.batch_size * 4, size, seed=1), DataInfo(3, 1000, size)
+
+
+def make_loader(dataset, cfg: TrainConfig, device: torch.device, sampler=None, batch_size: int | None = None):
+    """A DataLoader with the configured workers; pinned memory only helps host-to-GPU copies."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size or cfg.batch_size,
+        sampler=sampler,
+        num_workers=cfg.workers,
+        pin_memory=cfg.pin_memory and device.type == "cuda",
+        persistent_workers=cfg.workers > 0,
+    )
+
+
+def shard(dataset, rank: int, world_size: int):
+    """Every world_size-th sample from rank on: an exact split for evaluation (DistributedSampler would pad
+    with duplicates, which would be counted twice)."""
+    return torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))

@@ -1,0 +1,150 @@
+"""Who am I, and how do the processes find each other (03_distributed_data_parallel, 06_multi_node).
+
+The trainers never ask a launcher directly. `world_from_env()` reads rank, local_rank and world_size from whatever
+started the process: torchrun (or ipyparallel engines, which `tutorial.cluster` gives torchrun's variables),
+Open MPI's mpirun, MPICH/PMI and Cray PALS (mpiexec on ThetaGPU/Polaris-like systems), or Slurm's srun.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .models import parameter_vector
+
+# (rank, local_rank, world_size, local_world_size) variable names, most specific launcher first.
+LAUNCHERS = {
+    "torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "pals": ("PALS_RANKID", "PALS_LOCAL_RANKID", "PMI_SIZE", "PALS_LOCAL_SIZE"),
+    "mpich": ("PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),
+    # SLURM_STEP_NUM_TASKS exists only inside an srun step, so a notebook in an salloc shell is not taken for rank 0
+    # of a job step that never started.
+    "slurm": ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE"),
+}
+
+
+@dataclass
+class World:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    launcher: str = "none"
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+
+def world_from_env(env=None) -> World:
+    env = os.environ if env is None else env
+    for launcher, (rank, local_rank, size, local_size) in LAUNCHERS.items():
+        if rank in env and size in env:
+            r, n = int(env[rank]), int(env[size])
+            local = int(env.get(local_rank, r))
+            # Slurm writes tasks per node as "4(x2)"; the count before the parenthesis is what we need.
+            local_n = int(str(env.get(local_size, n)).split("(")[0].split(",")[0])
+            return World(r, local, n, local_n, launcher)
+    return World()
+
+
+def pick_device(local_rank: int, local_world_size: int = 1) -> torch.device:
+    """One process per GPU: local rank i uses GPU i of its node. Without GPUs, the CPU, shared fairly: n processes
+    with all cores' worth of threads each would fight over them (torchrun sets OMP_NUM_THREADS=1 for this reason;
+    mpirun, horovodrun and engines do not)."""
+    if not torch.cuda.is_available():
+        if "OMP_NUM_THREADS" not in os.environ and local_world_size > 1:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)  # so NCCL and cuda() calls never default to GPU 0
+    return device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _first_host() -> str | None:
+    """The job's first node under PBS or Slurm: where rank 0 runs, so where the rendezvous listens."""
+    if os.environ.get("PBS_NODEFILE"):
+        with open(os.environ["PBS_NODEFILE"]) as f:
+            return f.readline().strip() or None
+    if os.environ.get("SLURM_JOB_NODELIST"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                                 capture_output=True, text=True, timeout=10).stdout.split()
+            return out[0] if out else None
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    return None
+
+
+def rendezvous(world: World) -> None:
+    """Set MASTER_ADDR and MASTER_PORT unless the launcher (torchrun, tutorial.cluster, the user) already did.
+
+    Under MPI, rank 0 picks a free port and broadcasts it with mpi4py, so two jobs on one node never collide.
+    Otherwise all ranks derive the same answer from the job's environment.
+    """
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return
+    single_node = world.local_world_size == world.world_size
+    addr = "127.0.0.1" if single_node else (_first_host() or socket.gethostname())
+    if world.launcher in ("openmpi", "pals", "mpich"):
+        from mpi4py import MPI
+        addr, port = MPI.COMM_WORLD.bcast((addr if single_node else socket.gethostname(), _free_port()), root=0)
+    elif os.environ.get("SLURM_JOB_ID"):
+        port = 20000 + int(os.environ["SLURM_JOB_ID"]) % 20000
+    else:
+        port = 29500 if world.world_size > 1 else _free_port()
+    os.environ.setdefault("MASTER_ADDR", addr)
+    os.environ.setdefault("MASTER_PORT", str(port))
+
+
+def init_process_group(world: World, device: torch.device) -> bool:
+    """Join the process group (nccl on GPUs, gloo on CPUs). Returns False when one already existed (a %%px cell
+    made it), so the caller knows not to destroy what it did not create."""
+    if dist.is_initialized():
+        return False
+    rendezvous(world)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=world.rank, world_size=world.world_size)
+    return True
+
+
+def teardown(created: bool) -> None:
+    if created and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_mean(value: float, device: torch.device) -> float:
+    """The mean of a per-rank number over all ranks (e.g. the training loss each rank saw)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def checksum(model) -> str:
+    """A short digest of the parameters' bytes: equal digests mean bitwise-identical replicas."""
+    return hashlib.sha256(parameter_vector(model).numpy().tobytes()).hexdigest()[:16]
+
+
+def replica_checksums(model) -> list[str]:
+    """Every rank's checksum, gathered on every rank (the replica sync check)."""
+    digest = checksum(model)
+    if not dist.is_initialized():
+        return [digest]
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    return digests

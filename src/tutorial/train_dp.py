@@ -1,0 +1,127 @@
+"""Stage 2: nn.DataParallel, one process driving every GPU of a node (notebook 02_data_parallel).
+
+train_single.py plus the lines tagged "# DP:". Each step scatters the batch over the GPUs, copies the model to each
+of them, runs the replicas in threads of this one process and gathers the outputs on GPU 0, where the loss and the
+gradient sum are computed. The GIL and GPU 0's extra work are why DistributedDataParallel is faster even on one node.
+
+    python -m tutorial.train_dp --preset smoke --out runs/dp
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn  # DP
+from torch.utils.data import RandomSampler
+
+from . import checkpoint, tracking
+from .config import TrainConfig, parse_args, run_main
+from .data import build_datasets, make_loader
+from .distributed import checksum
+from .models import build_model
+from .optim import build_optimizer, lr_at, set_lr
+from .precision import Precision
+
+
+def setup(cfg: TrainConfig):
+    """The device, the precision policy and the seed; bad options fail here, before any work."""
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    amp = Precision(cfg.precision, device)
+    tracking.prepare_output(cfg)
+    torch.manual_seed(cfg.seed)
+    return device, amp
+
+
+def build(cfg: TrainConfig, device: torch.device):
+    """Data, model and optimizer."""
+    train_set, test_set, info = build_datasets(cfg)
+    # A seeded shuffle, re-seeded every epoch: runs are reproducible and a resumed run sees the same order.
+    sampler = RandomSampler(train_set, generator=torch.Generator())
+    train_loader = make_loader(train_set, cfg, device, sampler=sampler)
+    test_loader = make_loader(test_set, cfg, device)
+    model = build_model(cfg.model, info).to(device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model = nn.DataParallel(model)  # DP: replicate over all visible GPUs; --batch-size is split between them
+    lr = cfg.lr
+    optimizer = build_optimizer(model, cfg, lr)
+    return model, optimizer, train_loader, test_loader, lr
+
+
+def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, state, log):
+    model.train()
+    loss_sum, samples, start = torch.zeros((), device=device), 0, time.perf_counter()
+    for i, (X, y) in enumerate(log.bar(loader, epoch)):
+        X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if cfg.channels_last:
+            X = X.contiguous(memory_format=torch.channels_last)
+        last_micro_batch = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(loader)
+        with amp.autocast():
+            loss = F.cross_entropy(model(X), y)
+        amp.backward(loss / cfg.grad_accum)
+        loss_sum += loss.detach() * len(y)
+        samples += len(y)
+        if last_micro_batch:
+            lr = lr_at(cfg, epoch + i / len(loader), peak_lr)
+            set_lr(optimizer, lr)
+            amp.step(optimizer, model.parameters(), cfg.clip_grad)
+            optimizer.zero_grad()
+            state.step += 1
+            log.step(state.step, loss, lr, amp.loss_scale)
+            if cfg.max_steps and state.step >= cfg.max_steps:
+                break
+    seconds = time.perf_counter() - start
+    return loss_sum.item() / samples, samples / seconds, seconds
+
+
+@torch.no_grad()
+def evaluate(cfg, model, amp, loader, device):
+    """Loss and accuracy over the whole test set."""
+    model.eval()
+    sums = torch.zeros(3, device=device)  # loss sum, correct, count
+    for X, y in loader:
+        X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if cfg.channels_last:
+            X = X.contiguous(memory_format=torch.channels_last)
+        with amp.autocast():
+            logits = model(X)
+        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"),
+                             (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
+    loss_sum, correct, count = sums.tolist()
+    return loss_sum / count, correct / count
+
+
+def main(cfg: TrainConfig) -> dict:
+    device, amp = setup(cfg)
+    model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
+    if cfg.compile:
+        model = torch.compile(model)
+    log = tracking.RunLog(cfg, True, strategy="dp", world_size=1, precision=cfg.precision,  # DP
+                          device=str(device), global_batch_size=cfg.batch_size * cfg.grad_accum,  # DP
+                          gpus=torch.cuda.device_count())  # DP: how many replicas share each batch
+    log.print(f"DataParallel over {torch.cuda.device_count()} GPU(s)" if device.type == "cuda" else  # DP
+              "DataParallel: no GPU here, so the model runs unreplicated on the CPU")  # DP
+    state = checkpoint.resume(cfg, model, optimizer, amp.scaler, device)
+    log.metrics["epochs"] = state.history
+    for epoch in range(state.epoch, cfg.epochs):
+        train_loader.sampler.generator.manual_seed(cfg.seed + epoch)
+        train_loss, samples_per_second, seconds = train_one_epoch(
+            cfg, model, optimizer, amp, train_loader, device, epoch, peak_lr, state, log)
+        test_loss, test_accuracy = evaluate(cfg, model, amp, test_loader, device)
+        log.epoch(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss, test_accuracy=test_accuracy,
+                       samples_per_second=samples_per_second, epoch_seconds=seconds,
+                       lr=optimizer.param_groups[0]["lr"], skipped_steps=amp.skipped_steps), state.step)
+        state.epoch = epoch + 1
+        checkpoint.save(cfg, model, optimizer, amp.scaler, state)
+        if cfg.max_steps and state.step >= cfg.max_steps:
+            break
+        if cfg.target_accuracy and test_accuracy >= cfg.target_accuracy:
+            log.print(f"target accuracy {cfg.target_accuracy} reached after epoch {epoch}")
+            break
+    digests = [checksum(model)]
+    return log.finish(steps=state.step, replica_checksums=digests, replicas_identical=len(set(digests)) == 1)
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args("Train with nn.DataParallel over the GPUs of one node."))  # DP
