@@ -134,7 +134,7 @@ def default_preset() -> str:
 # ---------------------------------------------------------------------------------------------------------------- CLI
 def build_parser(description: str, horovod: bool = False) -> argparse.ArgumentParser:
     """Flags for every TrainConfig field (--batch-size sets batch_size); --preset picks the starting point."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = _OneLineErrors(description=description)
     parser.add_argument("--preset", default="smoke", help=f"starting point: {', '.join(PRESETS)} (default smoke)")
     for f in dataclasses.fields(TrainConfig):
         if f.name == "preset_name" or (f.name == "fp16_allreduce" and not horovod):
@@ -149,6 +149,14 @@ def build_parser(description: str, horovod: bool = False) -> argparse.ArgumentPa
         else:
             parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper())
     return parser
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse prints the whole usage on a bad flag; a person needs the one line that names the problem."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def parse_args(description: str = "", argv=None, horovod: bool = False) -> TrainConfig:

@@ -6,7 +6,10 @@ ImageNet layout (train/ and val/ with one folder per class). synthetic feeds ran
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import shutil
 import socket
 from dataclasses import dataclass
 
@@ -69,16 +72,21 @@ def _torchvision(cfg: TrainConfig):
         return cls(cfg.data_dir, train=True, transform=train_tf), cls(cfg.data_dir, train=False, transform=test_tf), info
     except RuntimeError:
         pass  # not on disk: try to download it, as the seeds do on machines with internet
-    old_timeout = socket.getdefaulttimeout()
+    old_timeout, created = socket.getdefaulttimeout(), not os.path.exists(cfg.data_dir)
     socket.setdefaulttimeout(30)  # a compute node without internet should fail in seconds, not hang
+    chatter = io.StringIO()  # torchvision prints its download attempts; keep them for the error message
     try:
         os.makedirs(cfg.data_dir, exist_ok=True)
-        train = cls(cfg.data_dir, train=True, transform=train_tf, download=True)
-        return train, cls(cfg.data_dir, train=False, transform=test_tf, download=True), info
+        with contextlib.redirect_stdout(chatter):
+            train = cls(cfg.data_dir, train=True, transform=train_tf, download=True)
+            return train, cls(cfg.data_dir, train=False, transform=test_tf, download=True), info
     except Exception as exc:  # noqa: BLE001 - any download failure means the same thing to the user
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        text = chatter.getvalue() + "\n" + str(exc)
+        lines = [line.strip() for line in text.splitlines() if "error" in line.lower()] or [type(exc).__name__]
+        if created:
+            shutil.rmtree(cfg.data_dir, ignore_errors=True)
         raise DataError(f"{cfg.dataset} is not in --data-dir {cfg.data_dir!r} and could not be downloaded "
-                        f"({reason}); download it on a login node into that folder") from None
+                        f"({lines[-1][:160]}); download it where there is internet into that folder") from None
     finally:
         socket.setdefaulttimeout(old_timeout)
 

@@ -1,0 +1,73 @@
+"""Shared helpers: launch trainers the way people do (python -m, torchrun, mpirun, horovodrun) and read results."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+BIN = Path(PYTHON).parent
+
+
+def env(**extra) -> dict:
+    e = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    e.pop("MASTER_ADDR", None), e.pop("MASTER_PORT", None)
+    if os.geteuid() == 0:  # Open MPI refuses to start as root without these
+        e.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    e["OMPI_MCA_rmaps_base_oversubscribe"] = "1"  # 2 ranks may exceed the cores of a small CI machine
+    return e
+
+
+def run(cmd, timeout=180, check=True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, env=env(),
+                          cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def train_cmd(stage: str, *args) -> list:
+    return [PYTHON, "-m", f"tutorial.train_{stage}", *args]
+
+
+def torchrun_cmd(nproc: int, stage: str, *args) -> list:
+    return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", f"tutorial.train_{stage}", *args]
+
+
+def mpirun_cmd(nproc: int, stage: str, *args) -> list:
+    return [shutil.which("mpirun"), "-np", str(nproc), PYTHON, "-m", f"tutorial.train_{stage}", *args]
+
+
+def horovodrun_cmd(nproc: int, *args, controller: str = "--gloo") -> list:
+    return [BIN / "horovodrun", "-np", str(nproc), "-H", f"localhost:{nproc}", controller,
+            PYTHON, "-m", "tutorial.train_horovod", *args]
+
+
+def metrics(out) -> dict:
+    return json.loads((Path(out) / "metrics.json").read_text())
+
+
+def params(out) -> torch.Tensor:
+    """The saved model's parameters as one vector (checkpoints hold the unwrapped model)."""
+    state = torch.load(Path(out) / "checkpoint.pt", map_location="cpu", weights_only=False)["model"]
+    return torch.cat([v.float().reshape(-1) for v in state.values()])
+
+
+def have_horovod() -> bool:
+    try:
+        import horovod.torch  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+needs_mpi = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+needs_horovod = pytest.mark.skipif(not have_horovod(), reason="Horovod not built (run make install)")

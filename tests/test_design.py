@@ -1,0 +1,100 @@
+"""The shape of the project: consecutive trainers differ by small, tagged diffs; files that must agree do."""
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT
+
+SRC = ROOT / "src" / "tutorial"
+STAGES = {"train_dp": "# DP", "train_ddp": "# DDP", "train_horovod": "# Horovod"}
+
+
+def untagged_additions(old_text: str, new_text: str, tag: str) -> list[str]:
+    """Lines a stage adds over train_single.py that carry no tag. Exempt: the module docstring, blank lines, and
+    a line right after a tagged comment line (the comment explains the statement below it)."""
+    old, new = old_text.splitlines(), new_text.splitlines()
+    docstring_end = next(i for i, line in enumerate(new) if i > 0 and line.rstrip().endswith('"""'))
+    bad = []
+    for op, _, _, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
+        if op not in ("replace", "insert"):
+            continue
+        for j in range(j1, j2):
+            line = new[j]
+            if j <= docstring_end or not line.strip() or tag in line:
+                continue
+            if j > 0 and new[j - 1].strip().startswith(tag):
+                continue
+            bad.append(f"line {j + 1}: {line.strip()}")
+    return bad
+
+
+def read(name: str) -> str:
+    return (SRC / f"{name}.py").read_text()
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_every_added_line_is_tagged(stage):
+    assert untagged_additions(read("train_single"), read(stage), STAGES[stage]) == []
+
+
+def test_the_tag_check_catches_an_untagged_line():
+    sneaky = read("train_ddp").replace("    model.train()\n", "    model.train()\n    model.requires_grad_(True)\n")
+    assert [line.split(": ", 1)[1] for line in untagged_additions(read("train_single"), sneaky, "# DDP")] == \
+        ["model.requires_grad_(True)"]
+
+
+@pytest.mark.parametrize("stage", ["train_single", *STAGES])
+def test_trainers_stay_small(stage):
+    lines = read(stage).splitlines()
+    assert len(lines) <= 170, f"{stage}.py has {len(lines)} lines; a stage should read top to bottom"
+
+
+@pytest.mark.parametrize("stage", ["train_single", *STAGES])
+def test_trainers_share_the_skeleton(stage):
+    text = read(stage)
+    for name in ("def setup(", "def build(", "def train_one_epoch(", "def evaluate(", "def main(cfg: TrainConfig)",
+                 'if __name__ == "__main__":', "for X, y in", "for epoch in range("):
+        assert name in text, f"{stage}.py lacks {name!r}"
+
+
+def requirement_pins() -> dict:
+    pins = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.lower()] = version
+    return pins
+
+
+def test_requirements_are_pinned_and_pair_torch_with_torchvision():
+    pins = requirement_pins()
+    assert "+cpu" not in pins["torch"], "a +cpu torch breaks PyPI's torchvision"
+    major, minor = map(int, pins["torch"].split(".")[:2])
+    tv_minor = int(pins["torchvision"].split(".")[1])
+    assert tv_minor == minor + 15 and major == 2, "torchvision 0.N pairs with torch 2.(N-15)"
+
+
+def test_environment_yml_uses_requirements_txt():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    deps = env["dependencies"]
+    pip = next(d["pip"] for d in deps if isinstance(d, dict))
+    assert "-r requirements.txt" in pip and "-e ." in pip
+    conda = [d for d in deps if isinstance(d, str)]
+    python = next(d for d in conda if d.startswith("python"))
+    assert re.search(r"3\.1[0-2]", python)
+    for needed in ("openmpi", "mpi4py", "cmake", "cxx-compiler"):
+        assert any(d.startswith(needed) for d in conda), needed
+    # mpi4py comes from conda (built against conda's MPI); it must be the same version as the pip pin.
+    mpi4py = next(d for d in conda if d.startswith("mpi4py"))
+    assert mpi4py.split("=")[-1] == requirement_pins()["mpi4py"]
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    assert "make test" in readme and "make lab" in readme
+    assert "make test" in (ROOT / ".ci" / "run").read_text()

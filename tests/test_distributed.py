@@ -1,0 +1,46 @@
+"""Who am I under each launcher: the same trainer must find its rank under torchrun, MPI, PALS, Slurm and engines."""
+from __future__ import annotations
+
+import pytest
+
+from tutorial.distributed import World, world_from_env
+from tutorial.precision import APEX_OPT_LEVELS, from_apex
+from tutorial.config import ConfigError
+
+LAUNCH_ENVS = {
+    "torchrun": ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2"}, World(3, 1, 8, 2)),
+    "openmpi": ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, World(5, 5, 16, 8)),
+    "pals": ({"PALS_RANKID": "9", "PALS_LOCAL_RANKID": "1", "PMI_SIZE": "16", "PALS_LOCAL_SIZE": "8"},
+             World(9, 1, 16, 8)),
+    "mpich": ({"PMI_RANK": "2", "MPI_LOCALRANKID": "2", "PMI_SIZE": "4", "MPI_LOCALNRANKS": "4"}, World(2, 2, 4, 4)),
+    "slurm": ({"SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_STEP_NUM_TASKS": "8",
+               "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}, World(6, 2, 8, 4)),
+}
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCH_ENVS))
+def test_world_from_each_launcher(launcher):
+    env, expected = LAUNCH_ENVS[launcher]
+    world = world_from_env(env)
+    assert (world.rank, world.local_rank, world.world_size, world.local_world_size) == \
+        (expected.rank, expected.local_rank, expected.world_size, expected.local_world_size)
+    assert world.launcher == launcher
+
+
+def test_torchrun_variables_win_over_mpi():
+    """ipyparallel MPI engines carry Open MPI's variables too; the cluster's torchrun-style ones decide."""
+    env = dict(LAUNCH_ENVS["openmpi"][0], RANK="1", LOCAL_RANK="1", WORLD_SIZE="2")
+    assert world_from_env(env).launcher == "torchrun" and world_from_env(env).rank == 1
+
+
+def test_an_salloc_shell_is_not_a_job_step():
+    world = world_from_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "42"})
+    assert world.world_size == 1 and world.is_main_process
+
+
+def test_apex_levels_map_to_settings():
+    assert set(APEX_OPT_LEVELS) == {"O0", "O1", "O2", "O3"}
+    assert from_apex("O0") == "fp32" and from_apex("O1") == "fp16"
+    with pytest.raises(ConfigError, match="O4"):
+        from_apex("O4")

@@ -1,0 +1,147 @@
+"""The trainers, launched as people launch them, checked by equivalence rather than by "it ran".
+
+CPU, gloo, 2 processes. The smoke preset (digits, small CNN without BatchNorm) makes DDP and Horovod with 2 ranks x
+batch B compute exactly the gradient of one process with batch 2B.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import (horovodrun_cmd, metrics, mpirun_cmd, needs_horovod, needs_mpi, params, run, torchrun_cmd,
+                      train_cmd)
+
+from tutorial import train_dp, train_single
+from tutorial.config import TrainConfig
+
+# K optimizer steps inside the first epoch, constant lr, no lr scaling: the runs below must agree to float noise.
+EQUIV = ["--epochs", "1", "--max-steps", "12", "--schedule", "constant", "--lr-scaling", "none", "--lr", "0.05"]
+
+
+@pytest.fixture(scope="module")
+def single_2b(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single_2b")
+    run(train_cmd("single", *EQUIV, "--batch-size", "32", "--out", out))
+    return out
+
+
+def assert_same_params(a, b, tol=1e-5):
+    pa, pb = params(a), params(b)
+    assert pa.shape == pb.shape
+    assert torch.allclose(pa, pb, rtol=tol, atol=tol), f"max difference {(pa - pb).abs().max():.3g}"
+    assert not torch.equal(params(a), torch.zeros_like(pa))
+
+
+def test_ddp_two_ranks_match_one_process_with_the_global_batch(single_2b, tmp_path):
+    run(torchrun_cmd(2, "ddp", *EQUIV, "--batch-size", "16", "--out", tmp_path))
+    assert_same_params(single_2b, tmp_path)
+    m = metrics(tmp_path)
+    assert m["world_size"] == 2 and m["global_batch_size"] == 32 and m["steps"] == 12
+    assert m["replicas_identical"] and len(m["replica_checksums"]) == 2
+
+
+@needs_horovod
+def test_horovod_two_ranks_match_one_process_with_the_global_batch(single_2b, tmp_path):
+    run(horovodrun_cmd(2, *EQUIV, "--batch-size", "16", "--out", tmp_path))
+    assert_same_params(single_2b, tmp_path)
+    m = metrics(tmp_path)
+    assert m["strategy"] == "horovod" and m["world_size"] == 2 and m["replicas_identical"]
+
+
+def test_a_different_batch_does_not_match(single_2b, tmp_path):
+    """The equivalence check can fail: one process with batch B is a different run."""
+    run(train_cmd("single", *EQUIV, "--batch-size", "16", "--out", tmp_path))
+    assert not torch.allclose(params(single_2b), params(tmp_path), rtol=1e-5, atol=1e-5)
+
+
+def test_data_parallel_matches_single(tmp_path):
+    cfg = TrainConfig.preset("smoke", epochs=1, max_steps=8, out=str(tmp_path / "single"))
+    train_single.main(cfg)
+    m = train_dp.main(cfg.replace(out=str(tmp_path / "dp")))
+    assert m["strategy"] == "dp"
+    assert_same_params(tmp_path / "single", tmp_path / "dp", tol=1e-6)
+
+
+def test_smoke_single_reaches_95_percent(tmp_path):
+    start = time.perf_counter()
+    run(train_cmd("single", "--preset", "smoke", "--out", tmp_path))
+    assert time.perf_counter() - start < 60
+    m = metrics(tmp_path)
+    assert m["test_accuracy"] >= 0.95
+    assert len(m["epochs"]) == TrainConfig.preset("smoke").epochs
+    for key in ("train_loss", "test_loss", "test_accuracy", "samples_per_second", "epoch_seconds"):
+        assert key in m["epochs"][-1]
+    assert {"world_size", "strategy", "precision", "device", "global_batch_size"} <= m.keys()
+
+
+def test_smoke_ddp_reaches_95_percent_with_identical_replicas(tmp_path):
+    start = time.perf_counter()
+    run(torchrun_cmd(2, "ddp", "--preset", "smoke", "--out", tmp_path))
+    assert time.perf_counter() - start < 60
+    m = metrics(tmp_path)
+    assert m["test_accuracy"] >= 0.95 and m["world_size"] == 2
+    assert len(set(m["replica_checksums"])) == 1
+
+
+@needs_mpi
+def test_ddp_under_mpirun(tmp_path):
+    run(mpirun_cmd(2, "ddp", "--preset", "smoke", "--out", tmp_path))
+    m = metrics(tmp_path)
+    assert m["world_size"] == 2 and m["test_accuracy"] >= 0.95 and m["replicas_identical"]
+
+
+@needs_mpi
+@needs_horovod
+def test_horovod_under_mpirun(tmp_path):
+    run(mpirun_cmd(2, "horovod", "--preset", "smoke", "--out", tmp_path))
+    m = metrics(tmp_path)
+    assert m["world_size"] == 2 and m["test_accuracy"] >= 0.95 and m["replicas_identical"]
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    cfg = TrainConfig.preset("smoke", epochs=2)
+    whole = train_single.main(cfg.replace(out=str(tmp_path / "whole")))
+    steps_per_epoch = whole["steps"] // 2
+    first = train_single.main(cfg.replace(out=str(tmp_path / "parts"), max_steps=steps_per_epoch))
+    assert len(first["epochs"]) == 1
+    resumed = train_single.main(cfg.replace(out=str(tmp_path / "parts"), resume="auto"))
+    assert [e["epoch"] for e in resumed["epochs"]] == [0, 1]
+    assert resumed["steps"] == whole["steps"]
+    assert torch.equal(params(tmp_path / "whole"), params(tmp_path / "parts"))
+
+
+def test_resume_with_another_world_size(tmp_path):
+    run(train_cmd("single", "--preset", "smoke", "--epochs", "4", "--max-steps", "45", "--out", tmp_path))
+    assert len(metrics(tmp_path)["epochs"]) == 1
+    run(torchrun_cmd(2, "ddp", "--preset", "smoke", "--epochs", "4", "--resume", "--out", tmp_path))
+    m = metrics(tmp_path)
+    assert [e["epoch"] for e in m["epochs"]] == [0, 1, 2, 3]
+    assert m["world_size"] == 2 and m["test_accuracy"] >= 0.95
+
+
+def test_tensorboard_event_files_hold_the_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    train_single.main(TrainConfig.preset("smoke", epochs=2, log_every=5, out=str(tmp_path)))
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/loss_scale", "epoch/test_accuracy", "epoch/train_loss",
+            "epoch/samples_per_second"} <= tags
+    assert len(acc.Scalars("epoch/test_accuracy")) == 2
+    assert acc.Scalars("epoch/test_accuracy")[-1].value >= 0.9
+
+
+def test_bf16_trains_on_cpu(tmp_path):
+    m = train_single.main(TrainConfig.preset("smoke", precision="bf16"))
+    assert m["precision"] == "bf16" and m["test_accuracy"] >= 0.95
+
+
+def test_grad_accum_and_clipping_run(tmp_path):
+    m = train_single.main(TrainConfig.preset("smoke", batch_size=16, grad_accum=2, clip_grad=1.0))
+    assert m["global_batch_size"] == 32 and m["test_accuracy"] >= 0.95
+
+
+def test_target_accuracy_stops_early():
+    m = train_single.main(TrainConfig.preset("smoke", epochs=10, target_accuracy=0.9))
+    assert len(m["epochs"]) < 10 and m["test_accuracy"] >= 0.9
