@@ -44,3 +44,15 @@ def test_apex_levels_map_to_settings():
     assert from_apex("O0") == "fp32" and from_apex("O1") == "fp16"
     with pytest.raises(ConfigError, match="O4"):
         from_apex("O4")
+
+
+def test_allreduce_check_sums_ranks_over_two_processes(tmp_path):
+    import json
+    from conftest import PYTHON, run
+    script = tmp_path / "check.py"
+    script.write_text("import json\nfrom tutorial.distributed import allreduce_check\n"
+                      "print('RESULT', json.dumps(allreduce_check(megabytes=1, repeats=2)))\n")
+    proc = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script])
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert all(r["sum_correct"] and r["world_size"] == 2 and r["bus_gbytes_per_s"] > 0 for r in results)

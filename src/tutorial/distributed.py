@@ -148,3 +148,31 @@ def replica_checksums(model) -> list[str]:
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
     return digests
+
+
+def allreduce_check(megabytes: float = 16.0, repeats: int = 5) -> dict:
+    """00_setup's first collective: every rank adds its rank, so the sum must be n(n-1)/2 on every rank; then the
+    time of an all-reduce of `megabytes` and its bus bandwidth (nccl-tests' busbw: 2(n-1)/n x bytes / time)."""
+    import time
+    world = world_from_env()
+    device = pick_device(world.local_rank, world.local_world_size)
+    created = init_process_group(world, device)
+    try:
+        n = dist.get_world_size()
+        total = torch.tensor([float(world.rank)], device=device)
+        dist.all_reduce(total)
+        x = torch.ones(int(megabytes * 2**20) // 4, device=device)
+        dist.all_reduce(x)  # the first call sets up connections and buffers: not part of the timing
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dist.all_reduce(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = (time.perf_counter() - start) / repeats
+        return dict(rank=world.rank, world_size=n, backend=dist.get_backend(), device=str(device),
+                    sum_correct=total.item() == n * (n - 1) / 2, megabytes=megabytes, seconds=seconds,
+                    bus_gbytes_per_s=2 * (n - 1) / n * x.numel() * 4 / seconds / 1e9)
+    finally:
+        teardown(created)
