@@ -39,11 +39,11 @@ unit: install
 	$(BIN)/python -m pytest tests
 
 nbval: install
-	$(BIN)/python -m pytest --nbval notebooks/ --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout $(NBVAL_TIMEOUT) -p no:cacheprovider
+	TUTORIAL_PRESET=smoke IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest --nbval notebooks/ --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout $(NBVAL_TIMEOUT) -p no:cacheprovider
 
 test: install
 	$(BIN)/python -m pytest tests
-	$(BIN)/python -m pytest --nbval notebooks/ --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout $(NBVAL_TIMEOUT) -p no:cacheprovider
+	TUTORIAL_PRESET=smoke IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest --nbval notebooks/ --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout $(NBVAL_TIMEOUT) -p no:cacheprovider
 	@bash scripts/check_leftovers.sh
 
 notebooks: install
