@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # After the tests: nothing they started may survive (engines, controllers, MPI launchers and daemons).
-left=$(pgrep -af 'ipengine|ipcontroller|ipcluster|mpiexec|mpirun|orted|horovodrun|torchrun|ipyparallel\.(engine|controller)' | grep -v -e pgrep -e check_leftovers || true)
+left=$(pgrep -af 'ipengine|ipcontroller|ipcluster|mpiexec|mpirun|orted|horovodrun|torchrun|ipyparallel\.(engine|controller)|tutorial-cluster-reaper' | grep -v -e pgrep -e check_leftovers || true)
 if [[ -n $left ]]; then
   echo "error: processes left behind by the tests:" >&2
   echo "$left" >&2

@@ -1,0 +1,375 @@
+"""tutorial.cluster with real engines: local and MPI engines, the DDP and Horovod trainers, failures, a notebook.
+
+Every test stops what it starts; the process table is checked after each cluster and after the whole file.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+import tutorial.cluster as cluster_mod
+import tutorial.train_ddp as train_ddp
+from tutorial.cluster import ClusterError, EngineError, EngineTimeout
+from tutorial.config import TrainConfig
+
+# Processes a cluster may leave behind: engines (and their nannies), controllers, MPI launchers and daemons, reapers.
+LEFTOVER_WORDS = ("ipengine", "ipcontroller", "ipcluster", "ipyparallel.engine", "ipyparallel.controller",
+                  "mpiexec", "mpirun", "orted", "tutorial-cluster-reaper")
+
+
+def _has_horovod() -> bool:
+    try:
+        import horovod.torch  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+needs_mpi = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec is not installed")
+needs_horovod = pytest.mark.skipif(not _has_horovod(), reason="Horovod is not built (run make install)")
+
+
+# Every process these tests start inherits this variable (ipyparallel, mpiexec and the notebook kernel pass the
+# environment on), which tells them apart from processes of other work running on the machine at the same time.
+MARK = "TUTORIAL_CLUSTER_TEST"
+TOKEN = f"{os.getpid()}-{time.time()}"
+
+
+def leftovers(since: float) -> list[str]:
+    """Cluster processes started by these tests after `since` and still running."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "create_time"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["create_time"] < since - 1 or p.pid == os.getpid() or not any(w in cmd for w in LEFTOVER_WORDS):
+            continue
+        try:
+            if p.environ().get(MARK) == TOKEN and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(f"{p.pid} {cmd[:150]}")
+        except psutil.Error:  # gone meanwhile, or another user's process
+            pass
+    return found
+
+
+def assert_nothing_left(since: float, wait: float = 10.0) -> None:
+    """Processes may take a moment to be reaped; anything still there after `wait` seconds is an orphan."""
+    deadline = time.monotonic() + wait
+    while leftovers(since) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftovers(since) == []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def file_start():
+    """After the whole file: no engine, controller, mpiexec, orted or reaper started by these tests remains."""
+    since = time.time()
+    os.environ[MARK] = TOKEN
+    yield since
+    assert_nothing_left(since)
+    os.environ.pop(MARK, None)
+
+
+# Functions for the engines must be importable there, so they live in a module the engines can import (a file in a
+# temporary folder on their PYTHONPATH), not in this test file, whose import name depends on pytest's import mode.
+HELPERS = '''
+import os
+import time
+
+import torch.distributed as dist
+
+
+def fail_on_rank(bad_rank):
+    """One rank raises before the rendezvous; the others wait for it in init_process_group."""
+    if int(os.environ["RANK"]) == bad_rank:
+        raise ValueError(f"rank {bad_rank} has a bad value")
+    dist.init_process_group("gloo")
+    dist.barrier()
+
+
+def whoami():
+    return {"rank": int(os.environ["RANK"]), "pid": os.getpid(), "port": os.environ["MASTER_PORT"]}
+
+
+def sleep(seconds):
+    time.sleep(seconds)
+    return os.getpid()
+'''
+
+
+@pytest.fixture(scope="module")
+def helpers(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("engine_helpers")
+    (folder / "cluster_test_helpers.py").write_text(HELPERS)
+    old_path, old_sys_path = os.environ.get("PYTHONPATH"), list(sys.path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), old_path) if p)  # engines inherit it
+    sys.path.insert(0, str(folder))
+    import cluster_test_helpers
+    yield cluster_test_helpers
+    sys.path[:] = old_sys_path
+    if old_path is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old_path
+
+
+@pytest.fixture(scope="module")
+def local(helpers):
+    """Two local CPU engines, shared by the tests below (a start costs seconds on 2 cores)."""
+    since = time.time()
+    c = cluster_mod.start(n=2, show=False)
+    try:
+        yield c
+    finally:
+        c.stop()
+        assert_nothing_left(since)
+
+
+# ------------------------------------------------------------------------------------------- bad input: fast
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n=0), "at least 1, got 0"),
+    (dict(n=-2), "at least 1"),
+    (dict(n="2"), "whole number"),
+    (dict(n=2, engines="ssh"), "engines 'ssh' is not one of: local, mpi, slurm, pbs"),
+    (dict(n=2, device="tpu"), "device 'tpu' is not one of"),
+    (dict(n=2, on_failure="ignore"), "on_failure 'ignore'"),
+    (dict(n=2, engines="slurm"), "needs sbatch"),
+    (dict(engines="pbs"), "needs n"),
+    (dict(n=2, interface="no-such-nic0"), "interface 'no-such-nic0' does not exist"),
+    (dict(n=2, ip="127.0.0.1", interface="lo"), "not both"),
+    (dict(n=2, ports="lots"), "not a port list"),
+])
+def test_bad_input_is_one_clear_error_and_starts_nothing(kwargs, message):
+    if "sbatch" in message and shutil.which("sbatch"):
+        pytest.skip("this machine has Slurm")
+    since = time.time()
+    with pytest.raises(ClusterError, match=message) as info:
+        cluster_mod.start(**kwargs)
+    assert "\n" not in str(info.value)
+    assert leftovers(since) == []
+
+
+def test_gpus_required_but_missing_or_too_few(monkeypatch):
+    import torch
+    since = time.time()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ClusterError, match="device='cuda' needs GPUs"):
+        cluster_mod.start(n=1, device="cuda")
+    # A node with one GPU and two engines asked for: they would share it.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for device in ("cuda", "auto"):
+        with pytest.raises(ClusterError, match="n=2 engines on this node but only 1 GPU"):
+            cluster_mod.start(n=2, device=device)
+    assert leftovers(since) == []
+
+
+def test_busy_port_is_reported_before_anything_starts():
+    since = time.time()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ClusterError, match=f"port {port} on 127.0.0.1 is in use"):
+            cluster_mod.start(n=2, ports=f"{port}-{port + 20}")
+    assert leftovers(since) == []
+
+
+def test_engines_that_cannot_start_give_their_output_and_leave_nothing():
+    since = time.time()
+    start = time.monotonic()
+    with pytest.raises(EngineError, match="engines stopped while starting"):
+        cluster_mod.start(n=2, show=False, launcher=dict(engine_cmd=[sys.executable, "-c", "raise SystemExit(3)"]))
+    assert time.monotonic() - start < 30
+    assert_nothing_left(since)
+
+
+# -------------------------------------------------------------------------------------------- local engines
+def test_ranks_threads_and_table(local):
+    assert [e.rank for e in local.engines] == [0, 1]
+    assert [e.local_rank for e in local.engines] == [0, 1]
+    assert {e.world_size for e in local.engines} == {2}
+    assert len({e.pid for e in local.engines}) == 2
+    assert all(e.device == "cpu" for e in local.engines)
+    # 2 engines share the node's cores instead of each taking all of them.
+    assert all(e.threads == max(1, (os.cpu_count() or 1) // 2) for e in local.engines)
+    table = local.table().splitlines()
+    assert table[0].split() == ["rank", "local", "host", "pid", "device", "threads"]
+    assert [line.split()[0] for line in table[1:]] == ["0", "1"]
+
+
+def test_ddp_smoke_reaches_95_percent_with_identical_replicas(local, capsys):
+    metrics = local.run(train_ddp.main, TrainConfig.preset("smoke"))
+    assert metrics["world_size"] == 2
+    assert metrics["test_accuracy"] >= 0.95
+    assert metrics["replicas_identical"] and len(set(metrics["replica_checksums"])) == 1
+    assert [r["replica_checksums"] for r in local.results] == [metrics["replica_checksums"]] * 2
+    out = capsys.readouterr().out
+    assert out.count("epoch 3:") == 1  # rank 0's progress streamed here, once (the other rank prints nothing)
+
+
+def test_second_run_on_the_same_engines_repeats_the_first_exactly(local, helpers):
+    """A fresh process group on a fresh port each run: same engines, same seed, bitwise the same replicas."""
+    cfg = TrainConfig.preset("smoke", epochs=1, max_steps=10)
+    pids = [e.pid for e in local.engines]
+    first = local.run(train_ddp.main, cfg)
+    second = local.run(train_ddp.main, cfg)
+    assert second["replica_checksums"] == first["replica_checksums"]
+    ports = [r["port"] for r in [local.run(helpers.whoami)] + [local.run(helpers.whoami)]]
+    assert ports[0] != ports[1]
+    assert [e.pid for e in local.engines] == pids  # no restart was needed
+
+
+def test_exception_on_one_rank_names_it_with_the_remote_traceback(local, helpers):
+    start = time.monotonic()
+    with pytest.raises(EngineError) as info:
+        local.run(helpers.fail_on_rank, 1)
+    message = str(info.value)
+    assert info.value.rank == 1 and "rank 1" in message
+    assert "ValueError: rank 1 has a bad value" in message and "fail_on_rank" in info.value.remote_traceback
+    assert "\x1b[" not in message  # no terminal colour codes
+    assert "restarted" in message  # rank 0 was stuck waiting for rank 1
+    assert time.monotonic() - start < 60
+    assert local.run(helpers.whoami)["rank"] == 0  # usable again
+
+
+def test_a_hang_is_bounded_by_the_timeout(local, helpers):
+    start = time.monotonic()
+    old = [e.pid for e in local.engines]
+    with pytest.raises(EngineTimeout, match="did not finish within 2 s"):
+        local.run(helpers.sleep, 600, timeout=2)
+    assert time.monotonic() - start < 45
+    assert not any(psutil.pid_exists(pid) for pid in old)  # the stuck engines were replaced
+    assert local.run(helpers.sleep, 0) == local.engines[0].pid
+
+
+def test_engine_killed_mid_run_gives_a_clear_error(local):
+    victim = local.engines[1]
+    cfg = TrainConfig.preset("smoke", epochs=200)  # minutes of training: the kill lands in the middle
+    killer = threading.Timer(4.0, os.kill, (victim.pid, signal.SIGKILL))
+    start = time.monotonic()
+    killer.start()
+    try:
+        with pytest.raises(EngineError, match=f"rank 1 .*pid {victim.pid}.* died") as info:
+            local.run(train_ddp.main, cfg)
+    finally:
+        killer.cancel()
+    assert time.monotonic() - start < 60
+    assert info.value.rank == 1
+    assert not psutil.pid_exists(victim.pid)
+    assert local.run(train_ddp.main, TrainConfig.preset("smoke", epochs=1, max_steps=2))["world_size"] == 2
+
+
+def test_functions_the_engines_cannot_import_are_refused(local):
+    def defined_here():  # its module (this test file) is not on the engines' path
+        return 1
+    with pytest.raises(ClusterError, match="engines cannot import"):
+        local.run(defined_here)
+    with pytest.raises(ClusterError, match="engines cannot import"):
+        local.run(lambda: 1)
+    defined_here.__module__ = "__main__"  # as in a notebook
+    with pytest.raises(ClusterError, match="defined in the notebook"):
+        local.run(defined_here)
+
+
+@needs_horovod
+def test_horovod_on_local_engines_is_refused(local):
+    import tutorial.train_horovod as train_horovod
+    with pytest.raises(ClusterError, match="engines='mpi'"):
+        local.run(train_horovod.main, TrainConfig.preset("smoke"))
+
+
+# --------------------------------------------------------------------------------------------- MPI engines
+@needs_mpi
+@needs_horovod
+def test_mpi_engines_run_horovod_and_ddp_with_mpi_ranks(file_start):
+    import tutorial.train_horovod as train_horovod
+    since = time.time()
+    with cluster_mod.start(n=2, engines="mpi", show=False) as c:
+        assert [e.rank for e in c.engines] == [e.mpi_rank for e in c.engines] == [0, 1]
+        hvd = c.run(train_horovod.main, TrainConfig.preset("smoke", epochs=1))
+        assert hvd["world_size"] == 2 and hvd["replicas_identical"]
+        ddp = c.run(train_ddp.main, TrainConfig.preset("smoke", epochs=1))
+        assert ddp["world_size"] == 2 and ddp["replicas_identical"]
+        again = c.run(train_horovod.main, TrainConfig.preset("smoke", epochs=1))  # Horovod stays initialised
+        assert again["replica_checksums"] == hvd["replica_checksums"]
+    assert_nothing_left(since)
+
+
+# ------------------------------------------------------------------------------- sequence, stop, reaper
+def test_two_clusters_one_after_the_other_and_an_exception_in_the_with_block(helpers):
+    since = time.time()
+    with cluster_mod.start(n=1, show=False) as c:
+        first = c.run(helpers.whoami)["pid"]
+    assert_nothing_left(since)
+    with pytest.raises(KeyError):  # leaving the block by an exception stops everything too
+        with cluster_mod.start(n=1, show=False) as c:
+            second = c.run(helpers.whoami)["pid"]
+            assert second != first
+            assert c.run(helpers.whoami, fresh=True)["pid"] not in (first, second)  # fresh: new engine processes
+            raise KeyError("the notebook cell failed")
+    assert_nothing_left(since)
+    with pytest.raises(ClusterError, match="was stopped"):
+        c.run(helpers.whoami)
+    c.stop()  # twice is fine
+
+
+NOTEBOOK_CELLS = [
+    "import tutorial.cluster, tutorial.train_ddp\nfrom tutorial.config import TrainConfig\n"
+    "cluster = tutorial.cluster.start(n=2, show=False)",
+    "%%px\nimport os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])",
+    "m = cluster.run(tutorial.train_ddp.main, TrainConfig.preset('smoke', epochs=1))\nprint(m['replicas_identical'])",
+]
+
+
+def test_notebook_px_cell_quiet_output_and_killed_kernel_leaves_nothing():
+    """The notebook way: %%px runs on every engine, no ipyparallel noise in outputs; a kernel killed with the
+    cluster still running (nbval's timeout, a crash) leaves no engine behind thanks to the reaper."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    since = time.time()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in NOTEBOOK_CELLS])
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": "."}})
+    with client.setup_kernel():
+        for index, cell in enumerate(nb.cells):
+            client.execute_cell(cell, index)
+        kernel_pid = client.km.provisioner.process.pid
+        assert leftovers(since)  # the cluster is running
+        os.kill(kernel_pid, signal.SIGKILL)  # no stop(): the reaper must clean up
+    texts = ["".join(o.get("text", "") for o in cell.outputs) for cell in nb.cells]
+    assert nb.cells[0].outputs == []  # no log lines, no progress bar
+    assert "rank 0 of 2" in texts[1] and "rank 1 of 2" in texts[1]
+    assert "%px" not in texts[1] and "tasks" not in texts[1]  # no progress bar
+    assert "epoch 0:" in texts[2] and texts[2].rstrip().endswith("True")
+    assert_nothing_left(since, wait=20)
+
+
+@pytest.mark.parametrize("kind, launcher_class, expected", [
+    ("pbs", "PBSEngineSetLauncher", ["#PBS -l select=2:ngpus=4", "mpiexec -n 8 --ppn 4", "--mpi"]),
+    ("slurm", "SlurmEngineSetLauncher", ["#SBATCH --nodes=2", "#SBATCH --ntasks=8", "srun --kill-on-bad-exit=1"]),
+])
+def test_batch_recipes_render_for_ipyparallel(kind, launcher_class, expected, tmp_path):
+    """The Slurm and PBS recipes are ipyparallel batch templates: every placeholder must be filled (no queue here)."""
+    from pathlib import Path
+
+    from ipyparallel.cluster import launcher
+    template = Path(__file__).resolve().parents[1] / "scripts" / kind / "engines.sh"
+    engines = getattr(launcher, launcher_class)(
+        work_dir=str(tmp_path), profile_dir=str(tmp_path), cluster_id="c1", queue="gpu",
+        batch_template_file=str(template),
+        namespace=dict(account="acct", walltime="01:00:00", timelimit="01:00:00", ppn=4, cpus_per_gpu=8))
+    engines.write_batch_script(8)
+    script = Path(engines.batch_file).read_text()
+    assert "{" not in script and "}" not in script
+    assert "ipyparallel.engine" in script
+    # The engines find their cluster through the submitting environment, which both recipes export to the job.
+    assert engines.get_env()["IPP_CLUSTER_ID"] == "c1" and ("#PBS -V" in script or "--export=ALL" in script)
+    for line in expected:
+        assert line in script
