@@ -1,0 +1,189 @@
+"""The benchmark harness is correct: formulas, the results line, real 2-process runs, clean failures.
+
+Nothing here times anything against a threshold: performance lives in results/, measured by `tutorial bench`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, env
+from tutorial import bench
+from tutorial.data import DataInfo
+from tutorial.models import build_model
+
+REQUIRED = {"kind", "date", "hardware", "versions", "command", "parameters", "results"}
+
+
+def cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "tutorial", "bench", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env(), cwd=ROOT)
+
+
+def check_line(line: dict, kind: str) -> None:
+    assert REQUIRED <= set(line) and line["kind"] == kind
+    assert line["date"].startswith(time.strftime("%Y-", time.gmtime()))
+    assert {"cpu", "cores", "gpus"} <= set(line["hardware"])
+    assert {"python", "torch"} <= set(line["versions"])
+    assert line["command"][:2] == ["tutorial", "bench"] or line["command"][0] == "python"
+
+
+def check_summary(s: dict) -> None:
+    assert {"median", "min", "max", "repeats"} <= set(s)
+    assert s["min"] <= s["median"] <= s["max"] and len(s["repeats"]) >= 1
+
+
+# ------------------------------------------------------------------------------------------------- arithmetic
+def test_bus_bandwidth_is_the_nccl_tests_formula():
+    # 1 MB in 1 ms is 1 GB/s of algorithm bandwidth; a ring moves 2(n-1)/n of it over each link.
+    assert bench.bus_bandwidth(1e6, 1e-3, 2) == pytest.approx(1e9)
+    assert bench.bus_bandwidth(1e6, 1e-3, 4) == pytest.approx(1.5e9)
+    assert bench.bus_bandwidth(1e6, 1e-3, 8) == pytest.approx(1.75e9)
+
+
+def test_scaling_speedup_efficiency_and_breakdown():
+    rows = bench.scaling_table([dict(nproc=1, samples_per_second=100.0), dict(nproc=2, samples_per_second=180.0),
+                                dict(nproc=4, samples_per_second=300.0)])
+    assert [r["speedup"] for r in rows] == pytest.approx([1, 1.8, 3])
+    assert [r["efficiency"] for r in rows] == pytest.approx([1, 0.9, 0.75])
+    parts = bench.breakdown(compute_s=0.010, ddp_synthetic_s=0.012, ddp_real_s=0.015)
+    assert parts["communication_s"] == pytest.approx(0.002) and parts["data_loading_s"] == pytest.approx(0.003)
+    assert parts["compute_s"] + parts["communication_s"] + parts["data_loading_s"] == pytest.approx(parts["step_s"])
+    assert bench.nproc_ladder(1) == [1] and bench.nproc_ladder(6) == [1, 2, 4, 6] and bench.nproc_ladder(8) == [1, 2,
+                                                                                                               4, 8]
+
+
+class FakeLoader:
+    def __init__(self, batches, samples, batch_size):
+        self.batches, self.batch_size, self.sampler = batches, batch_size, range(samples)
+
+    def __len__(self):
+        return self.batches
+
+
+def test_step_timer_leaves_out_warmup_and_counts_short_last_batches():
+    timer = bench.StepTimer()
+    timer.cuda = False
+    for _ in range(2):  # two epochs of 70 samples in batches of 32: 32, 32, 6
+        timer.epoch_start(FakeLoader(3, 70, 32))
+        for _ in range(3):
+            timer.step()
+    seconds, samples = timer.steps(warmup=2)
+    assert samples == [6, 32, 32, 6] and len(seconds) == 4 and all(s >= 0 for s in seconds)
+
+
+def test_results_line_schema(tmp_path):
+    path = bench.append_result(tmp_path, "train", ["tutorial", "bench", "train"], dict(a=1),
+                               dict(samples_per_second=bench.summary([3, 1, 2])))
+    bench.append_result(tmp_path, "allreduce", ["tutorial", "bench", "allreduce"], {}, {})
+    assert path == tmp_path / "train.jsonl" and len(bench.read_results(tmp_path)) == 2
+    (line,) = bench.read_results(tmp_path, "train")
+    check_line(line, "train")
+    assert line["results"]["samples_per_second"]["median"] == 2
+    json.dumps(line)  # plain JSON all the way down
+    assert [line["kind"] for line in bench.read_results(tmp_path, "allreduce")] == ["allreduce"]
+
+
+# ------------------------------------------------------------------------------------------------- real runs
+def test_ddp_two_processes_prints_a_table_and_appends_a_line(tmp_path):
+    proc = cli("train", "--strategy", "ddp", "--nproc", 2, "--preset", "smoke", "--steps", 4, "--warmup", 1,
+               "--repeats", 1, "--results-dir", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "samples/s" in proc.stdout and "ddp" in proc.stdout
+    (line,) = bench.read_results(tmp_path / "train.jsonl")
+    check_line(line, "train")
+    assert line["parameters"]["strategy"] == "ddp" and line["parameters"]["nproc"] == 2
+    assert line["parameters"]["global_batch_size"] == 64
+    check_summary(line["results"]["samples_per_second"])
+    assert line["results"]["samples_per_second"]["median"] > 0
+
+
+def test_allreduce_gloo_two_processes(tmp_path, capsys):
+    code = bench.main(["allreduce", "--backend", "gloo", "--nproc", "2", "--max-bytes", "16K", "--iters", "3",
+                       "--repeats", "2", "--results-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "busbw GB/s" in out and "16 KiB" in out
+    (line,) = bench.read_results(tmp_path / "allreduce.jsonl")
+    check_line(line, "allreduce")
+    assert [row["bytes"] for row in line["results"]["sizes"]] == [1024, 4096, 16384]
+    for row in line["results"]["sizes"]:
+        check_summary(row["busbw_GBps"])
+        # busbw is algbw x 2(n-1)/n = algbw for two processes
+        assert row["busbw_GBps"]["median"] == pytest.approx(row["algbw_GBps"]["median"])
+
+
+def test_bare_loop_runs_the_package_model_without_package_code():
+    spec = importlib.util.spec_from_file_location("bare_loop", ROOT / "benchmarks" / "bare_loop.py")
+    bare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bare)
+    ours, theirs = bare.make_model("cnn", 1, 10, 8), build_model("cnn", DataInfo(1, 10, 8))
+    assert [p.shape for p in ours.parameters()] == [p.shape for p in theirs.parameters()]
+    loop_part = (ROOT / "benchmarks" / "bare_loop.py").read_text().split("def compare")[0]
+    assert "from tutorial" not in loop_part and "import tutorial" not in loop_part
+    seconds, cpu_seconds = bare.bare_loop(warmup=1, steps=3)
+    assert len(seconds) == 3 and all(s > 0 for s in seconds)
+    assert cpu_seconds is None or len(cpu_seconds) == 3
+
+
+# -------------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("args, says", [
+    (["train", "--nproc", str(os.cpu_count() + 1), "--strategy", "ddp"], "more than"),
+    (["train", "--strategy", "fsdp"], "'fsdp' is not one of"),
+    (["train", "--steps", "0"], "--steps must be at least 1"),
+    (["train", "--strategy", "single", "--nproc", "2"], "runs one process"),
+    (["allreduce", "--nproc", "1"], "at least 2 processes"),
+    (["allreduce", "--backend", "nccl"] if not torch.cuda.is_available() else ["allreduce", "--nproc", "999"], ""),
+    (["scaling", "--max-nproc", str(os.cpu_count() + 1)], "--max-nproc"),
+    (["nonsense"], "not one of"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, says, capsys):
+    assert bench.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and says in err
+
+
+def test_bad_input_from_the_command_line_has_no_traceback():
+    proc = cli("train", "--strategy", "ddp", "--nproc", os.cpu_count() + 1)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+# -------------------------------------------------------------------------------------------- no leftovers
+def _fail_on_rank_1(job, rank, nproc):
+    if rank == 1:
+        raise RuntimeError("rank 1 broke")
+    time.sleep(60)  # rank 0 would wait forever for its partner: the launcher must stop it
+
+
+def _hang(job, rank, nproc):
+    time.sleep(60)
+
+
+def test_a_failed_or_hung_run_leaves_no_process():
+    started = time.monotonic()
+    with pytest.raises(bench.RunFailed, match="rank 1 broke"):
+        bench.launch(_fail_on_rank_1, {}, 2, timeout=50)
+    with pytest.raises(bench.RunFailed, match="did not finish"):
+        bench.launch(_hang, {}, 1, timeout=3)
+    assert time.monotonic() - started < 40
+    assert multiprocessing.active_children() == []
+
+
+def test_plots_draw_results_lines():
+    import matplotlib
+    matplotlib.use("Agg")
+    from tutorial import plots
+    points = bench.scaling_table([dict(nproc=1, samples_per_second=100.0), dict(nproc=2, samples_per_second=150.0)])
+    line = dict(date="2026-11-21T00:00:00+00:00", parameters=dict(mode="weak", strategy="ddp", model="cnn",
+                                                                  device="cpu"),
+                results=dict(points=points, breakdown=[dict(nproc=1, **bench.breakdown(0.01, 0.01, 0.012))]))
+    plots.scaling_plot(line)
+    plots.breakdown_plot(line)
