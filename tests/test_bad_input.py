@@ -39,6 +39,10 @@ def test_every_trainer_rejects_bad_values(stage):
     assert_one_line_error(run(train_cmd(stage, "--batch-size", "0"), check=False), "batch-size must be at least 1")
 
 
+def test_ddp_rejects_sync_bn_without_gpus():
+    assert_one_line_error(run(train_cmd("ddp", "--model", "cnn_bn", "--sync-bn"), check=False), "sync-bn needs GPUs")
+
+
 def test_cli_rejects_unknown_stage_and_command():
     assert_one_line_error(run([PYTHON, "-m", "tutorial", "train", "deepspeed"], check=False), "'deepspeed'")
     assert_one_line_error(run([PYTHON, "-m", "tutorial", "frobnicate"], check=False), "'frobnicate'")

@@ -475,6 +475,8 @@ class Cluster:
         single_node = len(hosts) == 1
         rank0_host = infos[order[0]]["host"]
         master_addr = "127.0.0.1" if single_node else rank0_host
+        # A free port on rank 0's host for process groups made by hand in %%px cells; every run() picks a new one.
+        master_port = self.client[order[0]].apply_sync(_engine_prepare, "os")[0]
         engines = []
         for host, members in hosts.items():
             gpus = infos[members[0]]["gpus"]
@@ -485,7 +487,8 @@ class Cluster:
                 info = infos[i]
                 threads = max(1, min(info["affinity"], info["cores"] // len(members)))
                 env = dict(RANK=str(ranks[i]), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(self.n),
-                           LOCAL_WORLD_SIZE=str(len(members)), MASTER_ADDR=master_addr, OMP_NUM_THREADS=str(threads))
+                           LOCAL_WORLD_SIZE=str(len(members)), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+                           OMP_NUM_THREADS=str(threads))
                 done = self.client[i].apply_async(_engine_configure, env, threads, self.use_cuda)
                 engines.append((done, EngineInfo(i, ranks[i], local_rank, self.n, len(members), host, info["pid"],
                                                  mpi_rank=info["mpi_rank"])))

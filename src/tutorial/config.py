@@ -34,7 +34,7 @@ class TrainConfig:
     model: str = "cnn"             # cnn has no BatchNorm or dropout, so distributed runs can match one process exactly
     channels_last: bool = False    # NHWC memory layout: faster convolutions on tensor cores
     compile: bool = False          # torch.compile the model
-    sync_bn: bool = False          # DDP: convert BatchNorm to SyncBatchNorm (statistics over the global batch)
+    sync_bn: bool = False          # DDP on GPUs: BatchNorm -> SyncBatchNorm (statistics over the global batch)
     # optimisation
     epochs: int = 3
     max_steps: int = 0             # stop after this many optimizer steps in total (0: no limit)

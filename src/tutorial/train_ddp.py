@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
 from torch.utils.data.distributed import DistributedSampler  # DDP
 
 from . import checkpoint, tracking
-from .config import TrainConfig, parse_args, run_main
+from .config import ConfigError, TrainConfig, parse_args, run_main  # DDP: ConfigError
 from .data import build_datasets, make_loader, shard  # DDP: shard
 from .distributed import (all_reduce_mean, init_process_group, pick_device,  # DDP
                           replica_checksums, teardown, world_from_env)  # DDP
@@ -32,6 +32,8 @@ def setup(cfg: TrainConfig):
     world = world_from_env()  # DDP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines
     device = pick_device(world.local_rank, world.local_world_size)  # DDP: one GPU per process, chosen by local rank
     amp = Precision(cfg.precision, device)
+    if cfg.sync_bn and device.type != "cuda":  # DDP: SyncBatchNorm only accepts CUDA tensors
+        raise ConfigError("sync-bn needs GPUs: torch's SyncBatchNorm works on CUDA tensors only")  # DDP
     tracking.prepare_output(cfg)
     created = init_process_group(world, device)  # DDP: nccl on GPUs, gloo on CPUs
     torch.manual_seed(cfg.seed)
