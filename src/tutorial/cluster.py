@@ -728,6 +728,8 @@ class Cluster:
             if now > deadline:
                 timed_out = True
                 break
+        if finished:
+            parts[0].wait_for_output(5)  # ipyparallel may deliver the result before the last lines of output
         self._stream(parts[0], shown)
         results, errors, still_running = [], [], []
         for rank, part in enumerate(parts):
