@@ -86,3 +86,31 @@ def throughput_plot(lines: list[dict], ax=None):
     ax.bar(labels, medians, yerr=[low, high], capsize=4)
     ax.set(ylabel="samples/s", title="training throughput")
     return fig
+
+
+def speedup_efficiency_plot(series: dict, amdahl=(), ax=None):
+    """Speed-up (left, with the ideal line and Amdahl curves) and efficiency (right) against processes for several
+    scaling tables on the same axes: `series` maps a label to rows of `tutorial.bench.scaling_table` (results/*.jsonl
+    lines or the seeds' published tables); `amdahl` lists parallel fractions p, drawn as 1 / ((1 - p) + p / n)."""
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+    fig, (speed_ax, eff_ax) = _axes(None, 2) if ax is None else (ax[0].figure, ax)
+    top = max(r["nproc"] for rows in series.values() for r in rows)
+    n = [2 ** k for k in range(top.bit_length() + (top & (top - 1) != 0))]
+    speed_ax.plot(n, n, "k:", label="ideal")
+    eff_ax.axhline(1.0, color="k", ls=":")
+    for p in amdahl:
+        speed_ax.plot(n, [1 / ((1 - p) + p / k) for k in n], "--", color="grey", lw=1, label=f"Amdahl p={p:.3f}")
+    for label, rows in series.items():
+        x = [r["nproc"] for r in rows]
+        line, = speed_ax.plot(x, [r["speedup"] for r in rows], "o-")
+        eff_ax.plot(x, [r["efficiency"] for r in rows], "o-", color=line.get_color(), label=label)
+    speed_ax.set(xscale="log", yscale="log", xlabel="processes (GPUs)", ylabel="speed-up", title="speed-up")
+    speed_ax.yaxis.set_major_formatter(FormatStrFormatter("%g")), speed_ax.yaxis.set_minor_formatter(NullFormatter())
+    eff_ax.set(xscale="log", xlabel="processes (GPUs)", ylabel="efficiency", title="efficiency = speed-up / processes")
+    for a in (speed_ax, eff_ax):
+        a.set_xticks(n, [str(k) for k in n]), a.xaxis.set_minor_formatter(NullFormatter())
+    speed_ax.yaxis.set_major_locator(LogLocator(base=2))
+    speed_ax.legend(fontsize="small", loc="upper left")
+    # Below both plots: one entry per series, the colours being the same on both axes.
+    fig.legend(*eff_ax.get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize="small")
+    return fig
