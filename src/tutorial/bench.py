@@ -37,6 +37,7 @@ from torch.utils.data import Dataset
 
 from . import tracking
 from .config import MODELS, PRECISIONS, PRESETS, ConfigError, TrainConfig
+from .distributed import exit_process
 
 STRATEGIES = ("single", "dp", "ddp", "horovod")
 BACKENDS = ("gloo", "nccl")
@@ -288,6 +289,7 @@ def _spawned(local_rank: int, fn, nproc: int, port: int, out_dir: str, job: dict
         raise
     if local_rank == 0:
         Path(out_dir, "result.json").write_text(json.dumps(result))
+    exit_process(0)  # the result is on disk; skip the interpreter teardown that can abort after DDP on gloo
 
 
 def launch(fn, job: dict, nproc: int, timeout: float = 600, verbose: bool = False):

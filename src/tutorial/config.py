@@ -181,3 +181,5 @@ def run_main(main, cfg: TrainConfig) -> None:
         main(cfg)
     except ConfigError as exc:
         fail(exc)
+    from .distributed import exit_process
+    exit_process(0)  # not a plain return: see exit_process for the gloo thread that can abort a finished run
