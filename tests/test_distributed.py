@@ -50,9 +50,12 @@ def test_allreduce_check_sums_ranks_over_two_processes(tmp_path):
     import json
     from conftest import PYTHON, run
     script = tmp_path / "check.py"
-    script.write_text("import json\nfrom tutorial.distributed import allreduce_check\n"
-                      "print('RESULT', json.dumps(allreduce_check(megabytes=1, repeats=2)))\n")
-    proc = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script])
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
-    assert sorted(r["rank"] for r in results) == [0, 1]
+    # Each rank writes its own file: two ranks printing to one pipe can interleave their lines.
+    script.write_text("import json, os\nfrom tutorial.distributed import allreduce_check\n"
+                      "result = allreduce_check(megabytes=1, repeats=2)\n"
+                      f"open(os.path.join({str(tmp_path)!r}, 'rank%d.json' % result['rank']), 'w')"
+                      ".write(json.dumps(result))\n")
+    run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script])
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert [r["rank"] for r in results] == [0, 1]
     assert all(r["sum_correct"] and r["world_size"] == 2 and r["bus_gbytes_per_s"] > 0 for r in results)
