@@ -17,6 +17,8 @@ import pytest
 
 import tutorial.cluster as cluster_mod
 import tutorial.train_ddp as train_ddp
+from conftest import needs_horovod, needs_mpi
+
 from tutorial.cluster import ClusterError, EngineError, EngineTimeout
 from tutorial.config import TrainConfig
 
@@ -25,16 +27,6 @@ LEFTOVER_WORDS = ("ipengine", "ipcontroller", "ipcluster", "ipyparallel.engine",
                   "mpiexec", "mpirun", "orted", "tutorial-cluster-reaper")
 
 
-def _has_horovod() -> bool:
-    try:
-        import horovod.torch  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
-needs_mpi = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="mpiexec is not installed")
-needs_horovod = pytest.mark.skipif(not _has_horovod(), reason="Horovod is not built (run make install)")
 
 
 # Every process these tests start inherits this variable (ipyparallel, mpiexec and the notebook kernel pass the
