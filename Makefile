@@ -58,6 +58,7 @@ slides: install
 bench: install
 	$(BIN)/tutorial bench allreduce --backend gloo --nproc 2
 	$(BIN)/tutorial bench train --strategy ddp --nproc 2 --preset smoke
+	$(BIN)/python benchmarks/bare_loop.py --threads 1
 
 clean:
 	rm -rf runs slides/*.html .pytest_cache
