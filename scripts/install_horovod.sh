@@ -49,6 +49,7 @@ if [[ -z $wheel ]]; then
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
   "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$work" 2>&1 | grep -v "is ignored: it is neither" || true
+  ls "$work"/horovod-*.tar.gz >/dev/null 2>&1 || die "could not download horovod==$HOROVOD_VERSION's source from PyPI"
   tar -xzf "$work"/horovod-*.tar.gz -C "$work"
   src=$(echo "$work"/horovod-"$HOROVOD_VERSION")
 
