@@ -161,6 +161,11 @@ def _engine_prepare(module: str) -> tuple[int, bool]:
     return port, importable
 
 
+def _engine_set_environ(values: dict) -> None:
+    import os
+    os.environ.update(values)
+
+
 def _engine_run(fn, master_port: int, args: tuple, kwargs: dict):
     """One run: a fresh rendezvous port (a second process group on the old port hangs), then the function."""
     import os
@@ -693,6 +698,14 @@ class Cluster:
             raise EngineError(f"{fn.__module__}.{fn.__name__} ran with world size {sorted(sizes)} instead of {self.n}: "
                               f"each engine trained alone (Horovod needs engines='mpi')")
         return self.results[0]
+
+    def new_master_port(self) -> int:
+        """Give every engine a MASTER_PORT nobody listens on, for a process group made by hand in a %%px cell
+        (03): a second rendezvous on the port of the previous one hangs. run() picks its own port every time."""
+        self._require_running()
+        port = self.client[self.engines[0].engine_id].apply_sync(_engine_prepare, "os")[0]
+        self.view.apply_sync(_engine_set_environ, {"MASTER_PORT": str(port)})
+        return port
 
     def _check_function(self, fn) -> None:
         if not callable(fn):

@@ -287,22 +287,3 @@ def max_difference(out_a: str, out_b: str) -> float:
 
 
 # ------------------------------------------------------------------------------------ %%px cells: a fresh port
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _set_environ(values: dict) -> None:
-    os.environ.update(values)
-
-
-def fresh_master_port(cluster) -> None:
-    """Give every engine a MASTER_PORT nobody listens on, before %%px cells create a process group by hand.
-
-    cluster.run does this before every run; a %%px cell that calls init_process_group does not go through run,
-    and without MASTER_PORT it would use the fixed 29500, which another job on the node may hold."""
-    rank0 = cluster.client[cluster.engines[0].engine_id]
-    port = rank0.apply_sync(_free_port)  # free where rank 0 runs, which is where the rendezvous listens
-    cluster.view.apply_sync(_set_environ, {"MASTER_PORT": str(port)})
