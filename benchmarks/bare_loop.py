@@ -38,7 +38,7 @@ class RandomImages(Dataset):
 
 
 def make_model(name, channels, classes, image_size):
-    if name == "cnn":  # the same layers as tutorial.models.small_cnn, written out
+    if name == "cnn":  # the same layers as tutorial.core.models.small_cnn, written out
         return nn.Sequential(
             nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(),
             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
@@ -104,7 +104,7 @@ def bare_loop(model="cnn", channels=1, classes=10, image_size=8, batch_size=32, 
 # --------------------------------------------------------------------- the comparison (this part uses the package)
 def compare(argv=None) -> int:
     from tutorial import bench
-    from tutorial.config import ConfigError, TrainConfig
+    from tutorial.core.config import ConfigError, TrainConfig
 
     parser = argparse.ArgumentParser(description="Trainer step time / bare loop step time, appended to "
                                                  "results/overhead.jsonl.")

@@ -17,8 +17,8 @@ import torch
 
 from conftest import ROOT, env
 from tutorial import bench
-from tutorial.data import DataInfo
-from tutorial.models import build_model
+from tutorial.core.data import DataInfo
+from tutorial.core.models import build_model
 
 REQUIRED = {"kind", "date", "hardware", "versions", "command", "parameters", "results"}
 
@@ -180,7 +180,7 @@ def test_a_failed_or_hung_run_leaves_no_process():
 def test_plots_draw_results_lines():
     import matplotlib
     matplotlib.use("Agg")
-    from tutorial import plots
+    from tutorial.lessons import plots
     points = bench.scaling_table([dict(nproc=1, samples_per_second=100.0), dict(nproc=2, samples_per_second=150.0)])
     line = dict(date="2026-11-21T00:00:00+00:00", parameters=dict(mode="weak", strategy="ddp", model="cnn",
                                                                   device="cpu"),

@@ -1,4 +1,4 @@
-"""tutorial.cluster with real engines: local and MPI engines, the DDP and Horovod trainers, failures, a notebook.
+"""tutorial.launch.engines with real engines: local and MPI engines, the DDP and Horovod trainers, failures, a notebook.
 
 Every test stops what it starts; the process table is checked after each cluster and after the whole file.
 """
@@ -15,12 +15,12 @@ import time
 import psutil
 import pytest
 
-import tutorial.cluster as cluster_mod
+import tutorial.launch.engines as cluster_mod
 import tutorial.train_ddp as train_ddp
 from conftest import needs_horovod, needs_mpi
 
-from tutorial.cluster import ClusterError, EngineError, EngineTimeout
-from tutorial.config import TrainConfig
+from tutorial.launch.engines import ClusterError, EngineError, EngineTimeout
+from tutorial.core.config import TrainConfig
 
 # Processes a cluster may leave behind: engines (and their nannies), controllers, MPI launchers and daemons, reapers.
 LEFTOVER_WORDS = ("ipengine", "ipcontroller", "ipcluster", "ipyparallel.engine", "ipyparallel.controller",
@@ -314,8 +314,8 @@ def test_two_clusters_one_after_the_other_and_an_exception_in_the_with_block(hel
 
 
 NOTEBOOK_CELLS = [
-    "import tutorial.cluster, tutorial.train_ddp\nfrom tutorial.config import TrainConfig\n"
-    "cluster = tutorial.cluster.start(n=2, show=False)",
+    "import tutorial.launch.engines, tutorial.train_ddp\nfrom tutorial.core.config import TrainConfig\n"
+    "cluster = tutorial.launch.engines.start(n=2, show=False)",
     "%%px\nimport os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])",
     "m = cluster.run(tutorial.train_ddp.main, TrainConfig.preset('smoke', epochs=1))\nprint(m['replicas_identical'])",
 ]

@@ -98,3 +98,92 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     assert "make test" in readme and "make lab" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+# ------------------------------------------------------------------------------------- imports run one way
+# Which rooms of the package each room may import (function-level imports count too). The trainers and the core are
+# what learners read and copy, so they must never depend on notebook helpers, launchers or benchmarks.
+ALLOWED = {
+    "core": {"core"},
+    "train": {"core"},
+    "launch": {"core", "train", "launch"},
+    "bench": {"core", "train", "launch", "bench"},
+    "cli": {"core", "train", "launch", "bench", "cli"},
+    "lessons": {"core", "train", "launch", "bench", "lessons"},
+}
+
+
+def room(module: str) -> str:
+    part = module.split(".")[1] if "." in module else ""
+    if part == "__init__":
+        return "core"  # the package's own __init__ holds the version only; Python runs it before any submodule
+    return "train" if part.startswith("train_") else part if part in ALLOWED else "cli"
+
+
+def import_graph(files: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the package modules it imports, from source (module name -> text), relative imports resolved."""
+    import ast
+    graph = {m: set() for m in files}
+    for module, text in files.items():
+        package = module if module.endswith("__init__") else module.rsplit(".", 1)[0]
+        package = package.removesuffix(".__init__")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                for candidate in (name, f"{name}.__init__"):
+                    if candidate in graph and candidate != module:
+                        graph[module].add(candidate)
+    return graph
+
+
+def package_sources() -> dict[str, str]:
+    return {"tutorial." + str(p.relative_to(SRC).with_suffix("")).replace("/", "."): p.read_text()
+            for p in SRC.rglob("*.py")}
+
+
+def layer_violations(graph) -> list[str]:
+    return [f"{m} imports {t}" for m, targets in graph.items() for t in sorted(targets)
+            if room(t) not in ALLOWED[room(m)]]
+
+
+def cycles(graph) -> list[list[str]]:
+    found, state = [], {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_imports_run_one_way_without_circles():
+    graph = import_graph(package_sources())
+    assert len(graph) > 20 and any(graph.values()), "the import graph was not read"
+    assert layer_violations(graph) == []
+    assert cycles(graph) == []
+
+
+def test_the_import_check_catches_a_back_edge_and_a_circle():
+    files = package_sources()
+    files["tutorial.core.config"] += "\nfrom ..lessons import notebook\n"
+    files["tutorial.core.config"] += "\ndef f():\n    from .process import free_port\n"  # process imports config
+    graph = import_graph(files)
+    assert "tutorial.core.config imports tutorial.lessons.notebook" in layer_violations(graph)
+    assert any("tutorial.core.config" in c and "tutorial.core.process" in c for c in cycles(graph))

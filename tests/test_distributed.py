@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from tutorial.distributed import World, world_from_env
-from tutorial.precision import APEX_OPT_LEVELS, from_apex
-from tutorial.config import ConfigError
+from tutorial.core.distributed import World, world_from_env
+from tutorial.lessons.mixed_precision import APEX_OPT_LEVELS, from_apex
+from tutorial.core.config import ConfigError
 
 LAUNCH_ENVS = {
     "torchrun": ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2"}, World(3, 1, 8, 2)),
@@ -51,7 +51,7 @@ def test_allreduce_check_sums_ranks_over_two_processes(tmp_path):
     from conftest import PYTHON, run
     script = tmp_path / "check.py"
     # Each rank writes its own file: two ranks printing to one pipe can interleave their lines.
-    script.write_text("import json, os\nfrom tutorial.distributed import allreduce_check\n"
+    script.write_text("import json, os\nfrom tutorial.core.distributed import allreduce_check\n"
                       "result = allreduce_check(megabytes=1, repeats=2)\n"
                       f"open(os.path.join({str(tmp_path)!r}, 'rank%d.json' % result['rank']), 'w')"
                       ".write(json.dumps(result))\n")

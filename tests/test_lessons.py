@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from tutorial import lessons, lessons_horovod
-from tutorial.config import TrainConfig
-from tutorial.optim import lr_at, scaled_lr
+from tutorial.lessons import data_parallel, horovod as lessons_horovod, mixed_precision, notebook, single_device
+from tutorial.core.config import TrainConfig
+from tutorial.core.optim import lr_at, scaled_lr
 
 
 def test_data_parallel_by_hand_gives_the_full_batch_gradient():
     torch.manual_seed(0)
-    model, X, y = lessons.model_and_batch(TrainConfig.preset("smoke"), batch_size=16, device=torch.device("cpu"))
-    dp = lessons.data_parallel_by_hand(model, X, y, replicas=2)
-    full = lessons.batch_gradient(model, X, y)
+    model, X, y = data_parallel.model_and_batch(TrainConfig.preset("smoke"), batch_size=16, device=torch.device("cpu"))
+    dp = data_parallel.data_parallel_by_hand(model, X, y, replicas=2)
+    full = data_parallel.batch_gradient(model, X, y)
     # DP sums the replicas' gradients of a loss averaged over the whole batch: the full-batch gradient.
     assert torch.allclose(dp["gradient"], full, atol=1e-6)
     assert dp["processes"] == 1 and dp["threads"] == 2 and dp["batch slices"] == [8, 8]
 
 
 def test_grad_scaler_skips_overflowing_steps_and_halves_the_scale():
-    rows = lessons.scaler_demo(("ok", "inf", "ok", "ok", "nan"), init_scale=1024.0, growth_interval=2)
+    rows = mixed_precision.scaler_demo(("ok", "inf", "ok", "ok", "nan"), init_scale=1024.0, growth_interval=2)
     assert [r["weight updated"] for r in rows] == [True, False, True, True, False]
     assert rows[1]["next scale"] == rows[1]["scale"] / 2
     assert rows[3]["next scale"] == rows[3]["scale"] * 2  # two good steps in a row: the scale grows

@@ -13,7 +13,7 @@ from conftest import (horovodrun_cmd, metrics, mpirun_cmd, needs_horovod, needs_
                       train_cmd)
 
 from tutorial import train_dp, train_single
-from tutorial.config import TrainConfig
+from tutorial.core.config import TrainConfig
 
 # K optimizer steps inside the first epoch, constant lr, no lr scaling: the runs below must agree to float noise.
 EQUIV = ["--epochs", "1", "--max-steps", "12", "--schedule", "constant", "--lr-scaling", "none", "--lr", "0.05"]

@@ -11,7 +11,7 @@ source .venv/bin/activate                    # or: module load conda; conda acti
 NODEFILE=${PBS_NODEFILE:-${COBALT_NODEFILE:?no PBS_NODEFILE or COBALT_NODEFILE: run this through qsub}}
 NNODES=$(sort -u "$NODEFILE" | wc -l)
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-# tutorial.distributed reads the rank from PALS/PMI/Open MPI variables and rank 0 broadcasts a free port with mpi4py;
+# tutorial.core.distributed reads the rank from PALS/PMI/Open MPI variables and rank 0 broadcasts a free port with mpi4py;
 # MASTER_ADDR is the first node of the job. Use the high-speed interface for NCCL, not the management network:
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-hsn0,ib0}
 mpiexec -n $((NNODES * GPUS_PER_NODE)) --ppn "$GPUS_PER_NODE" --hostfile "$NODEFILE" --cpu-bind depth --depth 8 \

@@ -1,16 +1,16 @@
 #!/bin/bash
 # ipyparallel engines on a Slurm cluster with GPU nodes, one engine per GPU.
-# A batch template for ipyparallel's SlurmEngineSetLauncher, filled in and submitted by tutorial.cluster
+# A batch template for ipyparallel's SlurmEngineSetLauncher, filled in and submitted by tutorial.launch.engines
 # (06_multi_node):
 #
-#   cluster = tutorial.cluster.start(
+#   cluster = tutorial.launch.engines.start(
 #       n=8, engines="slurm", interface="ib0",            # the controller listens where compute nodes can reach it
 #       launcher=dict(batch_template_file="scripts/slurm/engines.sh", queue="gpu",
 #                     namespace=dict(account="my_account", timelimit="01:00:00", ppn=4, cpus_per_gpu=8)),
 #       timeout=1800)                                      # the job may wait in the queue
 #
 # {n}, {queue}, {cluster_id}, {output_file} and {program_and_args} come from ipyparallel; account, timelimit, ppn
-# (engines per node = GPUs per node) and cpus_per_gpu from `namespace`. srun starts the engines; tutorial.cluster
+# (engines per node = GPUs per node) and cpus_per_gpu from `namespace`. srun starts the engines; tutorial.launch.engines
 # numbers them node by node and pins GPU local_rank on each node (every engine sees all of its node's GPUs).
 #SBATCH --job-name=ipengine-{cluster_id}
 #SBATCH --partition={queue}

@@ -96,7 +96,8 @@ def train(argv) -> int:
               "(usage: tutorial train STAGE [options]; launch ddp/horovod with torchrun, mpirun or horovodrun)",
               file=sys.stderr)
         return 2
-    from .config import parse_args, run_main
+    from .core.config import parse_args
+    from .core.process import run_main
     module = importlib.import_module(f"tutorial.train_{argv[0]}")
     run_main(module.main, parse_args(f"tutorial train {argv[0]}", argv[1:], horovod=argv[0] == "horovod"))
     return 0

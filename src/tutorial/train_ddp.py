@@ -4,7 +4,7 @@ train_single.py plus the lines tagged "# DDP:". Launch it with any of:
 
     torchrun --standalone --nproc_per_node 2 -m tutorial.train_ddp --preset smoke --out runs/ddp
     mpirun -np 2 python -m tutorial.train_ddp --preset smoke       (also mpiexec/PALS, srun)
-    tutorial.cluster.start(n=2).run(tutorial.train_ddp.main, cfg)  (ipyparallel engines, from a notebook)
+    tutorial.launch.engines.start(n=2).run(tutorial.train_ddp.main, cfg)  (ipyparallel engines, from a notebook)
 """
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ from contextlib import nullcontext  # DDP: for no_sync() on gradient-accumulatio
 from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
 from torch.utils.data.distributed import DistributedSampler  # DDP
 
-from . import checkpoint, tracking
-from .config import ConfigError, TrainConfig, parse_args, run_main  # DDP: ConfigError
-from .data import build_datasets, make_loader, shard  # DDP: shard
-from .distributed import (all_reduce_mean, init_process_group, pick_device,  # DDP
-                          replica_checksums, teardown, world_from_env)  # DDP
-from .models import build_model
-from .optim import build_optimizer, lr_at, scaled_lr, set_lr  # DDP: scaled_lr
-from .precision import Precision
+from .core import checkpoint, tracking
+from .core.config import ConfigError, TrainConfig, parse_args  # DDP: ConfigError
+from .core.data import build_datasets, make_loader, shard  # DDP: shard
+from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # DDP
+                               replica_checksums, teardown, world_from_env)  # DDP
+from .core.models import build_model  # DDP: the replicas' digests come from core.distributed
+from .core.optim import build_optimizer, lr_at, scaled_lr, set_lr  # DDP: scaled_lr
+from .core.precision import Precision
+from .core.process import run_main
 
 
 def setup(cfg: TrainConfig):

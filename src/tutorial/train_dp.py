@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from torch import nn  # DP
 from torch.utils.data import RandomSampler
 
-from . import checkpoint, tracking
-from .config import TrainConfig, parse_args, run_main
-from .data import build_datasets, make_loader
-from .distributed import checksum
-from .models import build_model
-from .optim import build_optimizer, lr_at, set_lr
-from .precision import Precision
+from .core import checkpoint, tracking
+from .core.config import TrainConfig, parse_args
+from .core.data import build_datasets, make_loader
+from .core.models import build_model, checksum
+from .core.optim import build_optimizer, lr_at, set_lr
+from .core.precision import Precision
+from .core.process import run_main
 
 
 def setup(cfg: TrainConfig):

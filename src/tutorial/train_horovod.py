@@ -5,7 +5,7 @@ train_single.py plus the lines tagged "# Horovod:". Launch it with any of:
     horovodrun -np 2 -H localhost:2 python -m tutorial.train_horovod --preset smoke --out runs/hvd   (--gloo or --mpi)
     mpirun -np 2 python -m tutorial.train_horovod --preset smoke
     horovod.run(tutorial.train_horovod.main, args=(cfg,), np=2)
-    tutorial.cluster.start(n=2, engines="mpi").run(tutorial.train_horovod.main, cfg)
+    tutorial.launch.engines.start(n=2, engines="mpi").run(tutorial.train_horovod.main, cfg)
 
 Horovod is left initialised when main returns, so a notebook can run it again on the same engines (its shutdown
 runs at process exit; after an MPI_Finalize it could not start again).
@@ -19,13 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler  # Horovod: step 6, shard the data
 
-from . import checkpoint, tracking
-from .config import TrainConfig, parse_args, run_main
-from .data import build_datasets, make_loader, shard  # Horovod: shard
-from .distributed import checksum, pick_device  # Horovod: pick_device
-from .models import build_model
-from .optim import build_optimizer, lr_at, scaled_lr, set_lr  # Horovod: scaled_lr
-from .precision import Precision
+from .core import checkpoint, tracking
+from .core.config import TrainConfig, parse_args
+from .core.data import build_datasets, make_loader, shard  # Horovod: shard
+from .core.distributed import pick_device  # Horovod
+from .core.models import build_model, checksum
+from .core.optim import build_optimizer, lr_at, scaled_lr, set_lr  # Horovod: scaled_lr
+from .core.precision import Precision
+from .core.process import run_main
 
 
 def setup(cfg: TrainConfig):

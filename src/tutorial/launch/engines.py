@@ -3,9 +3,9 @@
 Notebook 00_setup starts the cluster and shows who is who (rank, host, pid, device); 03_distributed_data_parallel
 and 05_horovod run their trainers on it; 06_multi_node starts engines on other nodes (Slurm, PBS, mpiexec):
 
-    import tutorial.cluster, tutorial.train_ddp
-    from tutorial.config import TrainConfig
-    with tutorial.cluster.start(n=2) as cluster:              # engines="local" | "mpi" | "slurm" | "pbs"
+    import tutorial.launch.engines, tutorial.train_ddp
+    from tutorial.core.config import TrainConfig
+    with tutorial.launch.engines.start(n=2) as cluster:              # engines="local" | "mpi" | "slurm" | "pbs"
         metrics = cluster.run(tutorial.train_ddp.main, TrainConfig.preset("smoke"))   # rank 0's metrics
         cluster.results                                        # every rank's result, in rank order
 
@@ -57,7 +57,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from .config import ConfigError
+from ..core.config import ConfigError
 
 ENGINE_KINDS = ("local", "mpi", "slurm", "pbs")
 DEVICES = ("auto", "cuda", "cpu")
@@ -296,7 +296,7 @@ def _mpi_environment(n: int) -> dict:
 
 def _quiet_logger() -> logging.Logger:
     """ipyparallel's INFO lines ("Starting 2 engines with ...") in a notebook cell would differ on every run."""
-    quiet = logging.getLogger("tutorial.cluster.ipyparallel")
+    quiet = logging.getLogger("tutorial.launch.engines.ipyparallel")
     quiet.setLevel(logging.ERROR)
     return quiet
 
@@ -669,7 +669,7 @@ class Cluster:
 
     def _require_running(self) -> None:
         if self._stopped:
-            raise ClusterError("this cluster was stopped; start a new one with tutorial.cluster.start()")
+            raise ClusterError("this cluster was stopped; start a new one with tutorial.launch.engines.start()")
 
     # -------------------------------------------------------------------------------------------------- run
     def run(self, fn, *args, timeout: float | None = None, fresh: bool = False, **kwargs):

@@ -12,9 +12,10 @@ import socket
 import torch
 import torch.nn.functional as F
 
-from . import multinode
-from .config import TrainConfig
-from .lessons import model_and_batch
+from ..core.config import TrainConfig
+from ..core.process import threads_per_process
+from ..launch import commands, processes
+from .measure import model_and_batch
 
 # Seed 002 (ALCF's Horovod + PyTorch workshop module on ThetaGPU, 8x A100 per node): seconds for 32 epochs.
 SEED_002_SECONDS = {  # GPUs: (cifar10, MNIST)
@@ -42,7 +43,7 @@ def broadcast_demo(cfg: TrainConfig) -> dict:
     """Step 5 on every rank: build the model with a different seed per rank (as if nobody had seeded), then
     hvd.broadcast_parameters from rank 0. Returns every rank's weight digest before and after the broadcast."""
     import horovod.torch as hvd
-    from .distributed import checksum
+    from ..core.models import checksum
     hvd.init()
     model, _, _ = model_and_batch(cfg.replace(seed=cfg.seed + 1000 * hvd.rank()), batch_size=1, real=False)
     before = hvd.allgather_object(checksum(model))
@@ -72,11 +73,11 @@ LAUNCHERS = ("horovodrun", "mpirun")
 
 
 def launch(launcher: str, cfg: TrainConfig, out: str, np: int = 2, extra: tuple = (),
-           timeout: float = 600) -> multinode.Launch:
+           timeout: float = 600) -> processes.Launch:
     """Run train_horovod with `horovodrun -np N -H localhost:N --gloo` or `mpirun -np N -H localhost:N` (05_horovod).
 
     The command line carries cfg's preset name and `extra` flags (e.g. ("--fp16-allreduce",)); the other fields of
-    cfg are not passed. Uses tutorial.multinode's launch: Open MPI's root and oversubscription variables where
+    cfg are not passed. Uses tutorial.launch.processes.launch: Open MPI's root and oversubscription variables where
     needed, a timeout, and no process left behind. The returned Launch holds rank 0's metrics.json.
     """
     if launcher not in LAUNCHERS:
@@ -84,12 +85,12 @@ def launch(launcher: str, cfg: TrainConfig, out: str, np: int = 2, extra: tuple 
     hosts = f"localhost:{np}"
     if launcher == "horovodrun":
         # Gloo needs neither ssh nor an MPI launcher on one host; --mpi would run mpirun underneath.
-        command = multinode.horovodrun_command(out, np, hosts, "--gloo", cfg.preset_name)
+        command = commands.horovodrun_command(out, np, hosts, "--gloo", cfg.preset_name)
     else:
-        command = multinode.mpirun_command(out, np, hosts, "horovod", cfg.preset_name)
+        command = commands.mpirun_command(out, np, hosts, "horovod", cfg.preset_name)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    env = multinode.launcher_env(threads=max(1, (os.cpu_count() or 1) // np), cpu=gpus < np)
-    return multinode.launch(command + list(extra), out=out, timeout=timeout, env=env)
+    env = processes.launcher_env(threads=threads_per_process(np), cpu=gpus < np)
+    return processes.launch(command + list(extra), out=out, timeout=timeout, env=env)
 
 
 def compare(runs: dict) -> list[dict]:

@@ -1,29 +1,9 @@
-"""Mixed precision as a setting of every trainer (04_mixed_precision).
-
-NVIDIA Apex AMP offered four opt levels; torch.amp replaced them. What each level did and what to use now:
-"""
+"""Mixed precision as a setting of every trainer (04_mixed_precision): autocast, and GradScaler for fp16."""
 from __future__ import annotations
 
 import torch
 
 from .config import ConfigError
-
-APEX_OPT_LEVELS = {
-    "O0": ("pure fp32; the accuracy baseline", "fp32"),
-    "O1": ("patch functions to cast per op (whitelist to fp16, blacklist in fp32), dynamic loss scaling",
-           "fp16"),  # = torch.autocast + GradScaler: the recommended mode then and now
-    "O2": ("fp16 model with fp32 master weights, BatchNorm kept fp32, dynamic loss scaling",
-           "fp16"),  # no direct equivalent; autocast gives the speed without hand-kept master weights
-    "O3": ("pure fp16, no master weights: a speed ceiling, often unstable", "fp16"),  # model.half(); not offered
-}
-
-
-def from_apex(opt_level: str) -> str:
-    """The precision setting that replaces an Apex opt level (bf16 is the better choice where hardware has it)."""
-    if opt_level not in APEX_OPT_LEVELS:
-        raise ConfigError(f"Apex opt level {opt_level!r} is not one of: {', '.join(APEX_OPT_LEVELS)}")
-    return APEX_OPT_LEVELS[opt_level][1]
-
 
 class Precision:
     """autocast for fp16/bf16 and, for fp16 only, a GradScaler (dynamic loss scaling).

@@ -1,12 +1,11 @@
 """Who am I, and how do the processes find each other (03_distributed_data_parallel, 06_multi_node).
 
 The trainers never ask a launcher directly. `world_from_env()` reads rank, local_rank and world_size from whatever
-started the process: torchrun (or ipyparallel engines, which `tutorial.cluster` gives torchrun's variables),
+started the process: torchrun (or ipyparallel engines, which `tutorial.launch.engines` gives torchrun's variables),
 Open MPI's mpirun, MPICH/PMI and Cray PALS (mpiexec on ThetaGPU/Polaris-like systems), or Slurm's srun.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import subprocess
@@ -16,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .models import parameter_vector
+from .models import checksum
+from .process import free_port, threads_per_process
 
 # (rank, local_rank, world_size, local_world_size) variable names, most specific launcher first.
 LAUNCHERS = {
@@ -62,17 +62,11 @@ def pick_device(local_rank: int, local_world_size: int = 1) -> torch.device:
     mpirun, horovodrun and engines do not)."""
     if not torch.cuda.is_available():
         if "OMP_NUM_THREADS" not in os.environ and local_world_size > 1:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+            torch.set_num_threads(threads_per_process(local_world_size))
         return torch.device("cpu")
     device = torch.device("cuda", local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)  # so NCCL and cuda() calls never default to GPU 0
     return device
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _first_host() -> str | None:
@@ -91,7 +85,7 @@ def _first_host() -> str | None:
 
 
 def rendezvous(world: World) -> None:
-    """Set MASTER_ADDR and MASTER_PORT unless the launcher (torchrun, tutorial.cluster, the user) already did.
+    """Set MASTER_ADDR and MASTER_PORT unless the launcher (torchrun, tutorial.launch.engines, the user) already did.
 
     Under MPI, rank 0 picks a free port and broadcasts it with mpi4py, so two jobs on one node never collide.
     Otherwise all ranks derive the same answer from the job's environment.
@@ -102,11 +96,11 @@ def rendezvous(world: World) -> None:
     addr = "127.0.0.1" if single_node else (_first_host() or socket.gethostname())
     if world.launcher in ("openmpi", "pals", "mpich"):
         from mpi4py import MPI
-        addr, port = MPI.COMM_WORLD.bcast((addr if single_node else socket.gethostname(), _free_port()), root=0)
+        addr, port = MPI.COMM_WORLD.bcast((addr if single_node else socket.gethostname(), free_port("")), root=0)
     elif os.environ.get("SLURM_JOB_ID"):
         port = 20000 + int(os.environ["SLURM_JOB_ID"]) % 20000
     else:
-        port = 29500 if world.world_size > 1 else _free_port()
+        port = 29500 if world.world_size > 1 else free_port("")
     os.environ.setdefault("MASTER_ADDR", addr)
     os.environ.setdefault("MASTER_PORT", str(port))
 
@@ -134,11 +128,6 @@ def all_reduce_mean(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
-
-
-def checksum(model) -> str:
-    """A short digest of the parameters' bytes: equal digests mean bitwise-identical replicas."""
-    return hashlib.sha256(parameter_vector(model).numpy().tobytes()).hexdigest()[:16]
 
 
 def replica_checksums(model) -> list[str]:
@@ -177,23 +166,3 @@ def allreduce_check(megabytes: float = 16.0, repeats: int = 5) -> dict:
                     bus_gbytes_per_s=2 * (n - 1) / n * x.numel() * 4 / seconds / 1e9)
     finally:
         teardown(created)
-
-
-def exit_process(code: int = 0):
-    """End a launched training process without Python's interpreter teardown.
-
-    Why: after DDP on gloo, torch 2.14 keeps gloo's worker threads alive past destroy_process_group. If one of them
-    drops the last reference to a tensor while the interpreter is shutting down, the process aborts with "terminate
-    called without an active exception" (SIGABRT, pytorch issue 190489; seen in about 1 run in 8 on a busy 2-core
-    machine), and torchrun or mpirun report a failed job after a successful run. Skipping the teardown avoids it.
-    Output is flushed and Horovod and MPI are shut down first, so launchers see a clean exit.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    hvd = sys.modules.get("horovod.torch")
-    if hvd is not None and hvd.is_initialized():
-        hvd.shutdown()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
-    os._exit(code)

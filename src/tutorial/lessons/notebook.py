@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import gc
 import os
+import time
 from pathlib import Path
 
-from .config import TrainConfig, default_preset
+from ..core.config import TrainConfig, default_preset
 
 # The accuracy each preset reaches when training works; notebooks compare against these, not exact numbers.
 EXPECTED_ACCURACY = {"smoke": 0.95, "workshop": 0.85, "benchmark": 0.0}
@@ -63,3 +65,44 @@ def runs_dir(name: str) -> str:
     path = os.path.join(os.environ.get("TUTORIAL_RUNS", "runs"), name)
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def print_table(rows: list[dict], floatfmt: str = ".3g") -> None:
+    """Rows of dicts as an aligned text table (the notebooks' tables of measurements)."""
+    if not rows:
+        print("(no rows)")
+        return
+    keys = list(rows[0])
+
+    def fmt(v):
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return str(v)
+
+    cells = [[fmt(r.get(k, "")) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
+def _child_pids() -> list[int]:
+    import psutil
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+
+
+def child_processes() -> list[int]:
+    """Process ids of this kernel's children still alive (DataLoader workers end with their loaders)."""
+    gc.collect()  # a loader kept alive only by a reference cycle keeps its workers until collected
+    deadline = time.monotonic() + 5
+    while _child_pids() and time.monotonic() < deadline:  # workers that were told to stop are still exiting
+        time.sleep(0.1)
+    return _child_pids()
+
+
+def tensorboard_tags(logdir: str) -> list[str]:
+    """The scalar tags in a run's TensorBoard event files (what `tensorboard --logdir` would plot)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(logdir)
+    acc.Reload()
+    return sorted(acc.Tags()["scalars"])

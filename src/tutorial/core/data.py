@@ -30,6 +30,10 @@ class DataInfo:
     image_size: int
 
 
+# Each dataset's image shape, so that speed measurements and lessons need no download (random data of that shape).
+SHAPES = {"digits": DataInfo(1, 10, 8), "mnist": DataInfo(1, 10, 28), "cifar10": DataInfo(3, 10, 32)}
+
+
 class SyntheticImages(Dataset):
     """Random images with fixed labels: no decoding or disk I/O, so throughput measures the model alone."""
 

@@ -1,6 +1,8 @@
 """Models: a small CNN for the CPU presets and torchvision ResNets for GPU nodes (01_single_device)."""
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 
@@ -44,8 +46,17 @@ def build_model(name: str, info: DataInfo) -> nn.Module:
     return resnet(name, info)
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside its wrappers: what checkpoints hold and replicas are compared by."""
+    model = getattr(model, "module", model)       # DataParallel, DistributedDataParallel
+    return getattr(model, "_orig_mod", model)     # torch.compile
+
+
 def parameter_vector(model: nn.Module) -> torch.Tensor:
-    """All parameters as one flat fp32 CPU vector (unwraps DataParallel/DDP), for comparing runs."""
-    model = getattr(model, "module", model)
-    model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
-    return torch.cat([p.detach().float().reshape(-1).cpu() for p in model.parameters()])
+    """All parameters as one flat fp32 CPU vector, for comparing runs."""
+    return torch.cat([p.detach().float().reshape(-1).cpu() for p in unwrap(model).parameters()])
+
+
+def checksum(model: nn.Module) -> str:
+    """A short digest of the parameters' bytes: equal digests mean bitwise-identical replicas."""
+    return hashlib.sha256(parameter_vector(model).numpy().tobytes()).hexdigest()[:16]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ConfigError, TrainConfig
+from .models import unwrap
 
 
 @dataclass
@@ -18,11 +19,6 @@ class State:
     epoch: int = 0          # epochs completed
     step: int = 0           # optimizer steps taken
     history: list = field(default_factory=list)  # per-epoch metrics so far
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    model = getattr(model, "module", model)       # DataParallel, DistributedDataParallel
-    return getattr(model, "_orig_mod", model)     # torch.compile
 
 
 def save(cfg: TrainConfig, model, optimizer, scaler, state: State) -> None:
@@ -54,9 +50,23 @@ def resume(cfg: TrainConfig, model, optimizer, scaler, device: torch.device) -> 
             return State()  # nothing to resume yet: the first run of a resumable job
         raise ConfigError(f"resume checkpoint {path!r} does not exist")
     # map_location: a checkpoint saved on GPU 0 must load onto this rank's device, not pile up on GPU 0.
-    ckpt = torch.load(path, map_location=device, weights_only=False)
-    unwrap(model).load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    # weights_only: a checkpoint holds tensors and plain Python values only, so loading one can never run code.
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+        keys = ("model", "optimizer", "scaler", "epoch", "step", "history")
+        missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, dict) else list(keys)
+        if missing:
+            raise ValueError(f"not a training checkpoint (no {', '.join(missing)})")
+    except Exception as exc:  # noqa: BLE001 - truncated, corrupt or foreign files all mean the same to the user
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"checkpoint {path!r} cannot be read: {reason}") from None
+    try:
+        unwrap(model).load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0][:160]
+        raise ConfigError(f"checkpoint {path!r} does not fit this model and optimizer "
+                          f"(saved with model {ckpt.get('config', {}).get('model')!r}): {first}") from None
     if ckpt["scaler"]:  # empty when the run that saved it had no loss scaling (fp32, bf16)
         scaler.load_state_dict(ckpt["scaler"])
     return State(ckpt["epoch"], ckpt["step"], ckpt["history"])

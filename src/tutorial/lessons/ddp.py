@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import TrainConfig
-from .optim import lr_at, scaled_lr
+from ..core.config import TrainConfig
+from ..core.optim import lr_at, scaled_lr
 
 
 # ----------------------------------------------------------------------------------------- reading the lesson
@@ -70,9 +70,9 @@ def overlap_events(cfg: TrainConfig, bucket_cap_mb: float = 0.1) -> list[dict]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .data import build_datasets
-    from .distributed import init_process_group, pick_device, teardown, world_from_env
-    from .models import build_model
+    from ..core.data import build_datasets
+    from ..core.distributed import init_process_group, pick_device, teardown, world_from_env
+    from ..core.models import build_model
 
     world = world_from_env()
     device = pick_device(world.local_rank, world.local_world_size)
@@ -167,9 +167,9 @@ def _build_with_global_bn(cfg: TrainConfig, device, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data.distributed import DistributedSampler
 
-    from .data import build_datasets, make_loader
-    from .models import build_model
-    from .optim import build_optimizer
+    from ..core.data import build_datasets, make_loader
+    from ..core.models import build_model
+    from ..core.optim import build_optimizer
     train_set, _, info = build_datasets(cfg)
     sampler = DistributedSampler(train_set, world.world_size, world.rank, shuffle=True, seed=cfg.seed)
     train_loader = make_loader(train_set, cfg, device, sampler=sampler)
@@ -185,7 +185,8 @@ def compare_replicas(cfg: TrainConfig, global_bn: bool = False) -> list[dict]:
     each rank saved. global_bn: BatchNorm over the global batch with GlobalBatchNorm2d (runs on CPUs too).
     Returns one row per tensor: its name, parameter or buffer, identical on all ranks, the largest difference.
     """
-    from . import checkpoint, tracking, train_ddp
+    from ..core import checkpoint, tracking
+    from .. import train_ddp
 
     device, amp, world, created = train_ddp.setup(cfg)
     try:
@@ -241,7 +242,7 @@ def torchrun(cfg: TrainConfig, out: str, nproc: int = 2, stage: str = "ddp", tim
     print("$ torchrun " + " ".join(cmd[3:]), flush=True)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     env["PYTHONUNBUFFERED"] = "1"
-    # The engines' fair share of the cores (tutorial.cluster does the same); torchrun would otherwise pick 1 and
+    # The engines' fair share of the cores (tutorial.launch.engines does the same); torchrun would otherwise pick 1 and
     # print a banner saying so.
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     # A session of its own, so a timeout can end torchrun and every worker it started in one signal.
@@ -267,8 +268,8 @@ def load_checkpoint(out: str):
     """The model rank 0 saved in out/checkpoint.pt, rebuilt on the CPU in one process: (model, checkpoint dict).
 
     Checkpoints hold the unwrapped model, so no DDP and no process group is needed to read one back."""
-    from .data import build_datasets
-    from .models import build_model
+    from ..core.data import build_datasets
+    from ..core.models import build_model
     ckpt = torch.load(Path(out, "checkpoint.pt"), map_location="cpu", weights_only=False)
     cfg = TrainConfig(**ckpt["config"])
     _, _, info = build_datasets(cfg)

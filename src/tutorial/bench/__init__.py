@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from . import tracking
-from .config import MODELS, PRECISIONS, PRESETS, ConfigError, TrainConfig
-from .distributed import exit_process
+from ..core import tracking
+from ..core.config import MODELS, PRECISIONS, PRESETS, ConfigError, TrainConfig
+from ..core.process import exit_process
 
 STRATEGIES = ("single", "dp", "ddp", "horovod")
 BACKENDS = ("gloo", "nccl")
@@ -220,7 +220,7 @@ def data_shape(cfg: TrainConfig) -> tuple[int, int, int]:
 @contextlib.contextmanager
 def synthetic_data(module, cfg: TrainConfig, world_size: int):
     """Give the trainer synthetic data of the real data's shape, enough for max_steps in one epoch per rank."""
-    from .data import DataInfo
+    from ..core.data import DataInfo
     channels, classes, size = data_shape(cfg)
     train_size = (cfg.max_steps + 1) * cfg.batch_size * cfg.grad_accum * world_size
 

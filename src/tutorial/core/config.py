@@ -58,8 +58,6 @@ class TrainConfig:
     log_every: int = 10            # steps between TensorBoard step scalars
     preset_name: str = ""          # the preset this config came from (for the record)
 
-    PRESETS = {}  # filled below; a class attribute, not a field
-
     @classmethod
     def preset(cls, name: str, **overrides) -> "TrainConfig":
         """A named preset with some fields overridden: `TrainConfig.preset("smoke", epochs=2)`."""
@@ -119,7 +117,6 @@ PRESETS = {
     "benchmark": dict(dataset="synthetic", model="resnet50", image_size=224, epochs=1, max_steps=100,
                       batch_size=128, lr=0.1, precision="bf16", channels_last=True, schedule="constant"),
 }
-TrainConfig.PRESETS = PRESETS
 
 
 def default_preset() -> str:
@@ -173,13 +170,3 @@ def fail(exc: BaseException, code: int = 2):
     """Print a user error as one line on stderr and exit (no traceback)."""
     print(f"error: {exc}", file=sys.stderr)
     raise SystemExit(code)
-
-
-def run_main(main, cfg: TrainConfig) -> None:
-    """`python -m tutorial.train_<stage>`: run main(cfg); a bad option or missing data is one line and exit 2."""
-    try:
-        main(cfg)
-    except ConfigError as exc:
-        fail(exc)
-    from .distributed import exit_process
-    exit_process(0)  # not a plain return: see exit_process for the gloo thread that can abort a finished run

@@ -1,0 +1,71 @@
+"""The process plumbing every layer shares, written once: how a trainer process ends, a free port, a fair share of
+the cores, and the environment Open MPI needs. Standard library only, so anything may import it."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+from .config import ConfigError, fail
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a batch job or `taskset` may allow fewer than the machine has)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_process(processes: int) -> int:
+    """Each of `processes` processes on this node gets an equal share of the cores. Without it, n processes with
+    all cores' worth of threads each fight over them (torchrun sets OMP_NUM_THREADS=1 for this reason; mpirun,
+    horovodrun and notebook engines do not)."""
+    return max(1, usable_cores() // max(1, processes))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (on a cluster, any open port on node 0 does, e.g. 29500)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def open_mpi_env(env: dict | None = None) -> dict:
+    """`env` (default: this process's) plus what Open MPI needs to start here: as root it refuses to run without
+    both ALLOW variables, and on a small machine it refuses more ranks than cores unless oversubscription is on."""
+    env = dict(os.environ if env is None else env)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    return env
+
+
+def run_main(main, cfg) -> None:
+    """`python -m tutorial.train_<stage>`: run main(cfg); a bad option or missing data is one line and exit 2."""
+    try:
+        main(cfg)
+    except ConfigError as exc:
+        fail(exc)
+    exit_process(0)  # not a plain return: see exit_process for the gloo thread that can abort a finished run
+
+
+def exit_process(code: int = 0):
+    """End a launched training process without Python's interpreter teardown.
+
+    Why: after DDP on gloo, torch 2.14 keeps gloo's worker threads alive past destroy_process_group. If one of them
+    drops the last reference to a tensor while the interpreter is shutting down, the process aborts with "terminate
+    called without an active exception" (SIGABRT, pytorch issue 190489; seen in about 1 run in 8 on a busy 2-core
+    machine), and torchrun or mpirun report a failed job after a successful run. Skipping the teardown avoids it;
+    remove this once torch fixes that issue. Output is flushed and Horovod and MPI are shut down first, so launchers
+    see a clean exit.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None and hvd.is_initialized():
+        hvd.shutdown()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    os._exit(code)

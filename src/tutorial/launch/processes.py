@@ -1,0 +1,198 @@
+"""Start commands as "nodes", wait for them with a bound, and make sure nothing they started survives.
+
+Every process started here carries the environment variable TUTORIAL_LAUNCH=<this Python process's tag>/<n>.
+Launchers start their workers in new sessions (torchrun, horovodrun), so neither the process tree nor the process
+group finds them once the launcher is gone; the inherited variable does.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..core.process import open_mpi_env
+from .commands import display
+
+
+TAG_VARIABLE = "TUTORIAL_LAUNCH"
+
+
+TAG = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # marks the processes this Python process starts
+
+
+_launches = 0
+
+
+FAILED_NODE_GRACE_S = 15.0
+
+
+def launcher_env(threads: int = 1, cpu: bool = True, **extra) -> dict:
+    """The environment for a rehearsal launch. Each rehearsed node gets `threads` cores' worth of threads, and
+    cpu=True hides GPUs, so two "nodes" never share one GPU (NCCL refuses that) and every machine gets the
+    same gloo result. MASTER_ADDR/PORT from the caller are dropped: the launcher must set them."""
+    global _launches
+    _launches += 1
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", CI=env.get("CI", "true"), OMP_NUM_THREADS=str(threads))
+    env[TAG_VARIABLE] = f"{TAG}/{_launches}"
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env = open_mpi_env(env)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+@dataclass
+class Launch:
+    """What a rehearsed multi-node launch did: the commands (one per node), exit codes, time and output."""
+    commands: list[list[str]]
+    returncodes: list[int]
+    seconds: float
+    outputs: list[str]
+    out: str = ""
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(code == 0 for code in self.returncodes)
+
+    def show(self, tail: int = 6) -> None:
+        """The commands as a person would type them, the exit codes, the time and each node's last lines."""
+        for node, (cmd, code, text) in enumerate(zip(self.commands, self.returncodes, self.outputs)):
+            print(f"node {node}$ {display(cmd)}")
+            for line in text.strip().splitlines()[-tail:]:
+                print(f"    {line}")
+            print(f"    (exit code {code})")
+        print(f"{len(self.commands)} node command(s) finished in {self.seconds:.1f} s")
+
+
+class Nodes:
+    """Node commands started without waiting. Each writes to its own log file, which we read by path: a pipe could
+    fill up and block the node, and a shared file offset would let our reads move its writes."""
+
+    def __init__(self, commands: list[list[str]], env: dict):
+        env.setdefault(TAG_VARIABLE, launcher_env()[TAG_VARIABLE])
+        self.tag, self.commands = env[TAG_VARIABLE], commands
+        self.dir = tempfile.TemporaryDirectory(prefix="tutorial-nodes-")
+        self.logs = [Path(self.dir.name) / f"node{i}.log" for i in range(len(commands))]
+        self.procs = []
+        for cmd, log in zip(commands, self.logs):
+            with open(log, "w") as f:
+                self.procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                                   stdin=subprocess.DEVNULL, env=env))
+
+    def text(self, node: int) -> str:
+        return self.logs[node].read_text(errors="replace")
+
+    def close(self) -> None:
+        """Stop whatever the launch left running (workers in their own sessions included), reap, clean up."""
+        stop(leftovers(self.tag))
+        for p in self.procs:
+            p.wait()
+        self.dir.cleanup()
+
+
+def launch(commands: list[list[str]] | list[str], out: str = "", timeout: float = 240, env: dict | None = None,
+           check: bool = True) -> Launch:
+    """Start all commands at once, as if each ran on its own node, and wait for all of them.
+
+    On a timeout or an interrupt every process of the launch is stopped, workers included, and so are the other
+    nodes FAILED_NODE_GRACE_S after one node failed (torchrun's agents would otherwise wait 300 s for it at their
+    exit barrier). check=True turns a
+    failure into one error naming the node and its last output lines. One command (mpirun, horovodrun) is a
+    launch from one node that starts the processes on all hosts itself.
+    """
+    if commands and isinstance(commands[0], str):
+        commands = [commands]
+    start = time.perf_counter()
+    nodes = Nodes(commands, launcher_env() if env is None else env)
+    try:
+        deadline, failed_at = time.monotonic() + timeout, None
+        while any(p.poll() is None for p in nodes.procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the launch did not finish within {timeout:.0f} s: {display(commands[0])}")
+            if failed_at is None and any(p.poll() not in (None, 0) for p in nodes.procs):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > FAILED_NODE_GRACE_S:
+                break  # as a scheduler ends a job step: the healthy nodes would wait for the failed one in vain
+            time.sleep(0.1)
+        outputs = [nodes.text(i) for i in range(len(commands))]
+    finally:
+        nodes.close()
+    result = Launch(commands, [p.returncode for p in nodes.procs], time.perf_counter() - start, outputs, str(out))
+    metrics_file = Path(out) / "metrics.json" if out else None
+    if metrics_file and metrics_file.exists() and result.ok:
+        result.metrics = json.loads(metrics_file.read_text())
+    if check and not result.ok:
+        codes = result.returncodes  # prefer the node that failed over the ones we stopped (SIGTERM, SIGKILL)
+        node = next((i for i, c in enumerate(codes) if c not in (0, -signal.SIGTERM, -signal.SIGKILL)),
+                    next(i for i, c in enumerate(codes) if c != 0))
+        last = "\n".join(result.outputs[node].strip().splitlines()[-8:])
+        raise RuntimeError(f"node {node} exited with code {result.returncodes[node]}: "
+                           f"{display(commands[node])}\n{last}")
+    return result
+
+
+def _processes():
+    """(pid, name, state, environ) of every process we may read; /proc on Linux, psutil elsewhere."""
+    if Path("/proc/self/environ").exists():
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+            yield int(entry.name), name, state, environ
+        return
+    import psutil
+    for p in psutil.process_iter(["pid", "name", "status"]):
+        try:
+            environ = [f"{k}={v}".encode() for k, v in p.environ().items()]
+        except (psutil.Error, OSError):
+            continue
+        yield p.info["pid"], p.info["name"], "Z" if p.info["status"] == psutil.STATUS_ZOMBIE else "R", environ
+
+
+def leftovers(tag: str = TAG) -> list[dict]:
+    """Processes started by this module (tag: this Python process, or one launch) that still exist, zombies
+    (finished but never waited for) included. An empty list is what a finished notebook must leave behind."""
+    prefix = f"{TAG_VARIABLE}={tag}".encode()
+    found = []
+    for pid, name, state, environ in _processes():
+        if pid != os.getpid() and any(v == prefix or v.startswith(prefix + b"/") for v in environ):
+            found.append(dict(pid=pid, name=name, zombie=state == "Z"))
+    return found
+
+
+def stop(processes: list[dict], grace: float = 5.0) -> int:
+    """SIGTERM, then SIGKILL what is still there after `grace` seconds. Returns how many were signalled.
+    Named pids only: `pkill -9 python` (seed 001's cure) would also kill your Jupyter kernel."""
+    pids = [p["pid"] for p in processes if not p.get("zombie")]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+    return len(pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and ") Z" in stat.read_text())
