@@ -51,6 +51,7 @@ class TrainConfig:
     precision: str = "fp32"        # fp32, fp16 (autocast + GradScaler, needs a GPU) or bf16 (autocast)
     fp16_allreduce: bool = False   # Horovod: compress gradients to fp16 for the all-reduce
     seed: int = 0
+    timeout: float = 300.0         # seconds a rank waits for the others: at the rendezvous and in every collective
     # output
     out: str = ""                  # rank 0 writes metrics.json, checkpoint.pt and tb/ here ("" = nothing written)
     resume: str = ""               # "auto": continue from out/checkpoint.pt; or a checkpoint path; "": start fresh
@@ -96,6 +97,8 @@ class TrainConfig:
             raise ConfigError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.target_accuracy <= 1:
             raise ConfigError(f"target-accuracy is a fraction between 0 and 1, got {self.target_accuracy}")
+        if not self.timeout > 0:
+            raise ConfigError(f"timeout must be a positive number of seconds, got {self.timeout}")
         if self.log_every < 1:
             raise ConfigError(f"log-every must be at least 1, got {self.log_every}")
         return self

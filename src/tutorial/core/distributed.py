@@ -6,10 +6,12 @@ Open MPI's mpirun, MPICH/PMI and Cray PALS (mpiexec on ThetaGPU/Polaris-like sys
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -105,15 +107,68 @@ def rendezvous(world: World) -> None:
     os.environ.setdefault("MASTER_PORT", str(port))
 
 
-def init_process_group(world: World, device: torch.device) -> bool:
-    """Join the process group (nccl on GPUs, gloo on CPUs). Returns False when one already existed (a %%px cell
+class RendezvousTimeout(TimeoutError):
+    """Not every rank arrived (or rank 0 could not be reached) within the timeout; the message names who is missing."""
+
+
+def init_process_group(world: World, device: torch.device, timeout: float = 300.0) -> bool:
+    """Join the process group (nccl on GPUs, gloo on CPUs), waiting at most `timeout` seconds for the other ranks,
+    and bounding every later collective by the same timeout. Returns False when one already existed (a %%px cell
     made it), so the caller knows not to destroy what it did not create."""
     if dist.is_initialized():
         return False
     rendezvous(world)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=world.rank, world_size=world.world_size)
+    store = meet(world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
+    dist.init_process_group(dist.get_default_backend_for_device(device), store=store, rank=world.rank,
+                            world_size=world.world_size, timeout=datetime.timedelta(seconds=timeout))
     return True
+
+
+def meet(world: World, addr: str, port: int, timeout: float) -> dist.Store:
+    """The rendezvous torch's env:// does, with a bounded wait that says whom it waits for.
+
+    Rank 0 hosts a key-value store at addr:port (under torchrun its agent already does, so every rank is a client);
+    each rank writes its name into it, and all wait until every rank has. Instead of hanging, a rank gives up after
+    `timeout` seconds with one line: which ranks never arrived, or that rank 0 could not be reached."""
+    where, n = f"{addr}:{port}", world.world_size
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    deadline = time.monotonic() + timeout
+    unreachable = RendezvousTimeout(f"rank {world.rank} could not reach rank 0's rendezvous at {where} within "
+                                    f"{timeout:g} s: is rank 0 running, and is {addr} reachable from this node?")
+    # Wait for the port in Python first: torch's own connection retries log a C++ backtrace each.
+    if (world.rank != 0 or agent_store) and not _listening(addr, port, deadline):
+        raise unreachable
+    try:
+        store = dist.TCPStore(addr, port, n, is_master=world.rank == 0 and not agent_store,
+                              timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
+        if world.rank == 0 and not agent_store:
+            raise RendezvousTimeout(f"rank 0 cannot host the rendezvous on {where}: "
+                                    f"{str(exc).strip().splitlines()[0]}") from None
+        raise unreachable from None
+    if agent_store:  # torchrun's store outlives restarts: keep each attempt's keys apart, as torch itself does
+        store = dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    keys = [f"tutorial/arrived/{r}" for r in range(n)]
+    store.set(keys[world.rank], socket.gethostname())
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [str(r) for r, key in enumerate(keys) if not store.check([key])]
+            raise RendezvousTimeout(f"rendezvous at {where}: {n - len(missing)} of {n} ranks arrived within "
+                                    f"{timeout:g} s; missing rank(s): {', '.join(missing)}")
+        time.sleep(0.05)
+    return store
+
+
+def _listening(addr: str, port: int, deadline: float) -> bool:
+    """Whether something accepts connections on addr:port before the deadline."""
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))).close()
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
 
 
 def teardown(created: bool) -> None:

@@ -1,0 +1,23 @@
+"""pytest configuration for `pytest --nbval notebooks/`, typed as-is from the repository root.
+
+Strict nbval compares the stored outputs, which were made with the CPU preset (`smoke`), so that preset is pinned
+here whatever the machine; varying text (timings, throughputs) is rewritten by sanitize.cfg before comparing.
+`pytest --nbval-lax notebooks/` (the workshop-cpu lane of `make test`) only runs the cells and their asserts, so
+it keeps whatever TUTORIAL_PRESET the caller chose.
+"""
+import os
+from pathlib import Path
+
+STORED_OUTPUTS_PRESET = "smoke"
+
+
+def pytest_configure(config):
+    if not (config.option.nbval or config.option.nbval_lax):
+        return
+    if config.option.nbval:
+        os.environ["TUTORIAL_PRESET"] = STORED_OUTPUTS_PRESET
+    if not config.option.nbval_sanitize_with:
+        config.option.nbval_sanitize_with = str(Path(__file__).with_name("sanitize.cfg"))
+    # The kernels inherit this environment: ipyparallel's progress bars and INFO lines would make outputs vary.
+    os.environ.setdefault("IPP_NONINTERACTIVE", "1")
+    os.environ.setdefault("CI", "true")

@@ -1,0 +1,137 @@
+"""When it goes wrong: bounded rendezvous with the missing ranks named, and checkpoints that fail in one line.
+
+Every failure here is real: a trainer process whose partner never starts, a checkpoint file that is corrupt,
+truncated or from another model, and a process killed while it writes checkpoints."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from conftest import PYTHON, ROOT, env, run, train_cmd
+from test_bad_input import assert_one_line_error
+
+from tutorial.core.process import free_port
+
+TIMEOUT_S = 5
+# Python and torch start-up before the rendezvous: up to ~10 s on a busy 2-core machine.
+MARGIN_S = 30
+
+
+def lone_rank(rank: int, world_size: int = 2) -> tuple[subprocess.CompletedProcess, float]:
+    """One rank of a 2-rank DDP job started alone, the way a launcher would start it, with a short timeout."""
+    extra = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    start = time.monotonic()
+    proc = subprocess.run(train_cmd("ddp", "--preset", "smoke", "--timeout", str(TIMEOUT_S)), capture_output=True,
+                          text=True, timeout=TIMEOUT_S + MARGIN_S + 60, env=env(**extra), cwd=ROOT)
+    return proc, time.monotonic() - start
+
+
+def one_error_line(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_a_rank_that_never_joins_is_named_within_the_timeout():
+    proc, seconds = lone_rank(0)
+    assert proc.returncode == 1
+    line = one_error_line(proc)
+    assert "1 of 2 ranks arrived" in line and "missing rank(s): 1" in line
+    assert TIMEOUT_S <= seconds < TIMEOUT_S + MARGIN_S
+
+
+def test_rank_0_that_never_starts_is_reported_by_the_others():
+    proc, seconds = lone_rank(1)
+    assert proc.returncode == 1
+    assert "could not reach rank 0's rendezvous at 127.0.0.1:" in one_error_line(proc)
+    assert seconds < TIMEOUT_S + MARGIN_S
+
+
+def test_timeout_must_be_positive():
+    assert_one_line_error(run(train_cmd("ddp", "--timeout", "0"), check=False), "timeout must be a positive")
+
+
+# -------------------------------------------------------------------------------------------------- checkpoints
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("good")
+    run(train_cmd("single", "--preset", "smoke", "--epochs", "1", "--out", out))
+    return out / "checkpoint.pt"
+
+
+def test_corrupt_checkpoint_is_one_line(tmp_path):
+    bad = tmp_path / "checkpoint.pt"
+    bad.write_bytes(b"this is not a checkpoint\n" * 10)
+    proc = run(train_cmd("single", "--resume", bad), check=False)
+    assert_one_line_error(proc, f"checkpoint '{bad}' cannot be read")
+
+
+def test_truncated_checkpoint_is_one_line(tmp_path, good_checkpoint):
+    bad = tmp_path / "checkpoint.pt"
+    bad.write_bytes(good_checkpoint.read_bytes()[:5000])
+    assert_one_line_error(run(train_cmd("single", "--resume", bad), check=False), f"checkpoint '{bad}' cannot be read")
+
+
+def test_checkpoint_of_another_model_is_one_line(good_checkpoint):
+    proc = run(train_cmd("single", "--model", "cnn_bn", "--resume", good_checkpoint), check=False)
+    assert_one_line_error(proc, "does not fit this model and optimizer (saved with model 'cnn')")
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
+    """weights_only=True: a pickle that calls a function on load is rejected, not executed."""
+    marker = tmp_path / "pwned"
+    bad = tmp_path / "checkpoint.pt"
+    torch.save({"model": _Evil(str(marker))}, bad)
+    assert_one_line_error(run(train_cmd("single", "--resume", bad), check=False), "cannot be read")
+    assert not marker.exists()
+
+
+class _Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+SAVER = """
+import sys
+from tutorial import train_single
+from tutorial.core import checkpoint
+from tutorial.core.config import TrainConfig
+cfg = TrainConfig.preset("smoke", out=sys.argv[1])
+device, precision = train_single.setup(cfg)
+model, optimizer, *_ = train_single.build(cfg, device)
+state = checkpoint.State()
+print("saving", flush=True)
+while True:
+    state.step += 1
+    checkpoint.save(cfg, model, optimizer, precision.scaler, state)
+"""
+
+
+def test_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
+    """The save writes beside the old file and renames over it, so a SIGKILL at any moment leaves either the
+    previous or the new checkpoint, never half of one. Killed at ten different moments, then resumed from."""
+    path = tmp_path / "checkpoint.pt"
+    for attempt in range(10):
+        proc = subprocess.Popen([PYTHON, "-c", SAVER, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env(),
+                                cwd=ROOT)
+        try:
+            assert proc.stdout.readline().strip() == "saving"
+            time.sleep(0.2 + 0.05 * attempt)
+        finally:
+            proc.kill()
+            proc.wait()
+        if path.exists():
+            ckpt = torch.load(path, weights_only=True)  # raises on a half-written file
+            assert ckpt["step"] >= 1
+    assert path.exists(), "no save finished in 10 tries"
+    resumed = run(train_cmd("single", "--preset", "smoke", "--epochs", "1", "--resume", path))
+    assert resumed.returncode == 0
