@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,50 @@ def _mpi_runtime() -> str | None:
     return out.strip().splitlines()[0] if out.strip() else exe
 
 
+def _nvidia_driver() -> tuple[str, str] | None:
+    """(driver version, the newest CUDA it supports) from nvidia-smi, or None where there is no NVIDIA driver."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run([exe], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    driver, cuda = re.search(r"Driver Version:\s*([\d.]+)", out), re.search(r"CUDA Version:\s*([\d.]+)", out)
+    return (driver.group(1), cuda.group(1)) if driver and cuda else None
+
+
+# CUDA builds that PyTorch publishes for the pinned torch, newest first (its wheel index has one folder each).
+TORCH_CUDA_BUILDS = ("13.0", "12.8", "12.6")
+
+
+def _torch_build_fix(torch, driver_cuda: str) -> str:
+    """What to install when the driver is older than the CUDA this torch was built for."""
+    def version(v):
+        return tuple(int(x) for x in v.split(".")[:2])
+
+    built = torch.version.cuda
+    if built is None:
+        fits = "a CUDA build of torch"
+    elif version(built) > version(driver_cuda):
+        fits = f"torch is built for CUDA {built}, newer than the driver supports"
+    else:
+        return "torch cannot initialise CUDA although driver and build match: check CUDA_VISIBLE_DEVICES and nvidia-smi"
+    usable = [b for b in TORCH_CUDA_BUILDS if version(b) <= version(driver_cuda)]
+    if not usable:
+        return (f"{fits}; no torch {torch.__version__.split('+')[0]} build supports CUDA {driver_cuda}: "
+                "ask for a newer NVIDIA driver, or pin an older torch/torchvision pair in requirements.txt")
+    tag = "cu" + usable[0].replace(".", "")
+    pair = " ".join(f"{name}=={v}" for name, v in _pins(("torch", "torchvision")))
+    return (f"{fits}; install the CUDA {usable[0]} build: .venv/bin/pip install --force-reinstall {pair} "
+            f"--index-url https://download.pytorch.org/whl/{tag}")
+
+
+def _pins(names) -> list[tuple[str, str]]:
+    import importlib.metadata
+    return [(name, importlib.metadata.version(name).split("+")[0]) for name in names]
+
+
 def doctor_rows():
     """(name, what is there, fix or None). A fix means the workbook cannot run until it is applied."""
     rows = [("python", platform.python_version(), None if sys.version_info >= (3, 10) else "use Python 3.10-3.12")]
@@ -46,7 +91,12 @@ def doctor_rows():
     rows.append(("torchvision", tv.__version__ if tv else err, None if tv else reinstall))
     n = torch.cuda.device_count()
     names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(n)})) if n else "none: CPU presets (gloo)"
-    rows.append(("GPUs", f"{n} {names}" if n else names, None))
+    driver = _nvidia_driver()
+    if not n and driver:  # a GPU is there, but this torch cannot use it: the notebooks would quietly run on the CPU
+        rows.append(("GPUs", f"NVIDIA driver {driver[0]} (CUDA up to {driver[1]}) but torch sees no GPU",
+                     _torch_build_fix(torch, driver[1])))
+    else:
+        rows.append(("GPUs", f"{n} {names}" if n else names, None))
     mpi = _mpi_runtime()
     rows.append(("MPI", mpi or "not found",
                  None if mpi else "install Open MPI (apt-get install openmpi-bin libopenmpi-dev) or load an MPI module"))
@@ -61,8 +111,11 @@ def doctor_rows():
         ops = [name for name, ok in (("NCCL", hvd.nccl_built()), ("MPI", hvd.mpi_built()),
                                      ("Gloo", hvd.gloo_built())) if ok]
         import horovod
+        # On a GPU node, Horovod without NCCL ops copies every gradient to the host for an MPI/Gloo all-reduce.
+        fix = "HOROVOD_GPU_OPERATIONS=NCCL make install (rebuilds Horovod with NCCL all-reduce)" \
+            if (n or driver) and not hvd.nccl_built() else None
         rows.append(("horovod", f"{horovod.__version__}: PyTorch; controllers {'+'.join(controllers)}; "
-                                f"tensor ops {'+'.join(ops)}", None))
+                                f"tensor ops {'+'.join(ops)}", fix))
     else:
         rows.append(("horovod", err, "bash scripts/install_horovod.sh (or 'make install')"))
     for module, label in (("ipyparallel", "ipyparallel"), ("nbval", "nbval"), ("tensorboard", "tensorboard"),
