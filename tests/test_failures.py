@@ -135,3 +135,39 @@ def test_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
     assert path.exists(), "no save finished in 10 tries"
     resumed = run(train_cmd("single", "--preset", "smoke", "--epochs", "1", "--resume", path))
     assert resumed.returncode == 0
+
+
+# ------------------------------------------------------------------------------- 10_when_things_go_wrong's exercises
+NOTEBOOK = ROOT / "notebooks" / "10_when_things_go_wrong.ipynb"
+
+
+def skeleton(heading: str):
+    """The function an exercise's first code cell defines, exactly as the learner finds it in the notebook."""
+    import json
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    start = next(i for i, c in enumerate(cells) if "".join(c["source"]).startswith(heading))
+    source = "".join(next(c for c in cells[start:] if c["cell_type"] == "code")["source"])
+    namespace = {}
+    exec(compile(source, str(NOTEBOOK), "exec"), namespace)
+    return next(v for k, v in namespace.items() if callable(v) and not k.startswith("__"))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from tutorial.launch import engines
+    with engines.start(n=2) as c:
+        yield c
+
+
+def test_exercise_1_checker_accepts_the_solution_and_names_the_hang(cluster):
+    from tutorial.lessons import failures
+    assert failures.check_mean_loss(cluster, failures.solution_mean_loss) == "correct: every rank got the mean loss 1.5"
+    verdict = failures.check_mean_loss(cluster, skeleton("### Exercise 1"))
+    assert verdict.startswith("wrong: rank 0 failed in a collective") and "if rank == 0" in verdict
+
+
+def test_exercise_2_checker_accepts_the_solution_and_explains_the_shapes(cluster):
+    from tutorial.lessons import failures
+    assert failures.check_gather(cluster, failures.solution_gather_all).startswith("correct: every rank has all 5")
+    verdict = failures.check_gather(cluster, skeleton("### Exercise 2"))
+    assert verdict.startswith("wrong: rank 0:") and "gather the sizes first" in verdict

@@ -6,6 +6,7 @@ Horovod or with another world size.
 from __future__ import annotations
 
 import os
+import zipfile
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,9 @@ def resume(cfg: TrainConfig, model, optimizer, scaler, device: torch.device) -> 
         raise ConfigError(f"resume checkpoint {path!r} does not exist")
     # map_location: a checkpoint saved on GPU 0 must load onto this rank's device, not pile up on GPU 0.
     # weights_only: a checkpoint holds tensors and plain Python values only, so loading one can never run code.
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; anything else cannot be a checkpoint
+        raise ConfigError(f"checkpoint {path!r} cannot be read: not a file written by torch.save "
+                          "(truncated, or another kind of file)")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
         keys = ("model", "optimizer", "scaler", "epoch", "step", "history")

@@ -1,0 +1,191 @@
+"""10_when_things_go_wrong: what the notebook needs around the failures it provokes on purpose.
+
+The failures themselves (a collective one rank skips, shapes that differ, a barrier nobody else reaches) are typed in
+the notebook's %%px cells. Here: reading every rank's Python stack while it hangs (py-spy), killing a process at a
+chosen moment, and finding the line a rank waits on in a dump.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def python_stacks(pids: list[int], timeout: float = 30) -> dict[int, str]:
+    """Each process's Python stack right now, as `py-spy dump` prints it (it reads the process's memory from the
+    outside, so it works on a process stuck in C++ inside a collective; it needs ptrace rights: root, or
+    kernel.yama.ptrace_scope=0). Processes must be on this host."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(exe).exists():
+        raise FileNotFoundError("py-spy is not installed (pip install py-spy, or make install)")
+    stacks = {}
+    for pid in pids:
+        proc = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout)
+        text = proc.stdout if proc.returncode == 0 else f"py-spy failed: {proc.stderr.strip()[-300:]}"
+        stacks[pid] = re.sub(r"\x1b\[[0-9;]*m", "", text)  # py-spy colours its output even into a pipe
+    return stacks
+
+
+def innermost_call(stack: str, skip=("torch/distributed/c10d_logger.py", "threading.py")) -> str:
+    """The innermost frame of the main thread's stack that is not a logging wrapper: `function (file:line)`."""
+    main = stack.split("\nThread ")[1] if "\nThread " in stack else stack
+    frames = [line.strip() for line in main.splitlines()[1:] if line.startswith("    ") and "(" in line]
+    frames = [f for f in frames if not any(s in f for s in skip)]
+    return frames[0] if frames else "(no Python frame)"
+
+
+def kill_when(condition, pid: int, sig: int = signal.SIGKILL, timeout: float = 120, poll: float = 0.02):
+    """In a background thread: wait until condition() is true, then send `sig` to pid (the scheduler, the OOM
+    killer or a failing node, on cue). Returns the thread; .killed_at holds what condition() saw, or None."""
+    def watch():
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            seen = condition()
+            if seen:
+                thread.killed_at = seen
+                os.kill(pid, sig)
+                return
+            time.sleep(poll)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.killed_at = None
+    thread.start()
+    return thread
+
+
+def checkpoint_epochs(out: str) -> int:
+    """How many epochs the checkpoint in `out` holds (0 if none yet), read from its metrics-free header cheaply:
+    metrics.json is written together with every checkpoint."""
+    path = Path(out) / "metrics.json"
+    try:
+        return len(json.loads(path.read_text()).get("epochs", []))
+    except (OSError, ValueError):
+        return 0
+
+
+def torchrun_losing_a_worker(out: str, args: list[str], after_epochs: int, max_restarts: int = 1,
+                             timeout: float = 300) -> dict:
+    """`torchrun --max-restarts N ... --resume --out OUT` with 2 workers; once the checkpoint holds `after_epochs`
+    epochs, one worker is SIGKILLed (a node's OOM killer, say). torchrun then stops the other worker and starts both
+    again, and they resume from the checkpoint. Returns the command, torchrun's exit code and its output."""
+    import psutil
+    from ..launch import commands, processes
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--max-restarts", str(max_restarts), "-m", "tutorial.train_ddp", *args, "--resume", "--out", out]
+    nodes = processes.Nodes([cmd], processes.launcher_env())
+    torchrun = nodes.procs[0]
+    try:
+        deadline = time.monotonic() + timeout
+        while checkpoint_epochs(out) < after_epochs:
+            if time.monotonic() > deadline or torchrun.poll() is not None:
+                raise RuntimeError(f"the run did not reach epoch {after_epochs}:\n{nodes.text(0)[-2000:]}")
+            time.sleep(0.02)
+        victim = psutil.Process(torchrun.pid).children()[-1]
+        victim.kill()
+        torchrun.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return dict(command=commands.display(cmd), returncode=torchrun.returncode, output=nodes.text(0),
+                    killed_after_epochs=after_epochs)
+    finally:
+        nodes.close()
+
+
+def fresh_dir(name: str) -> str:
+    """An empty runs/<name> (absolute, so engines and launchers in other folders find it): a checkpoint left by an
+    earlier execution of the notebook would otherwise be resumed."""
+    from .notebook import runs_dir
+    path = os.path.abspath(runs_dir(name))
+    shutil.rmtree(path)
+    os.makedirs(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- exercises
+def on_every_rank(fn, inputs, seconds: float = 5.0, detail: bool = True):
+    """On an engine: fn(*inputs(rank)) inside a fresh gloo group whose collectives give up after `seconds`.
+    detail=True turns on TORCH_DISTRIBUTED_DEBUG=DETAIL, so a collective with mismatched shapes raises on every
+    rank instead of aborting the process. Returns ("ok", value) or ("error", the error's first line)."""
+    import datetime
+    import torch.distributed as dist
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL" if detail else "OFF"
+    dist.set_debug_level_from_env()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
+    try:
+        return "ok", fn(*inputs(dist.get_rank()))
+    except RuntimeError as exc:  # without gloo's "[/path/to/source.cc:123] " prefix
+        return "error", re.sub(r"^\[[^\]]*\.cc:\d+\] ", "", str(exc).strip().splitlines()[0])
+    finally:
+        dist.destroy_process_group()
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "OFF"
+        dist.set_debug_level_from_env()
+
+
+def _loss_of(rank: int) -> tuple:
+    return (float(rank + 1),)
+
+
+def _predictions_of(rank: int) -> tuple:
+    import torch
+    return (torch.arange(rank + 2, dtype=torch.float32) + 10 * rank,)  # rank r holds r + 2 predictions
+
+
+def check_mean_loss(cluster, mean_loss) -> str:
+    """Exercise 1: every rank calls mean_loss(loss) with loss = rank + 1 and must get the mean over all ranks."""
+    cluster.run(on_every_rank, mean_loss, _loss_of, seconds=5.0, detail=False)
+    expected = sum(range(1, cluster.n + 1)) / cluster.n
+    for rank, (status, value) in enumerate(cluster.results):
+        if status == "error":
+            return (f"wrong: rank {rank} failed in a collective ({value[:90]}): a collective that only some ranks "
+                    "call, inside `if rank == 0`, waits for the others in vain; call it on every rank")
+        if not isinstance(value, (int, float)) or abs(value - expected) > 1e-6:
+            return f"wrong: rank {rank} returned {value!r}; every rank should get the mean {expected:g}"
+    return f"correct: every rank got the mean loss {expected:g}"
+
+
+def check_gather(cluster, gather_all) -> str:
+    """Exercise 2: rank r holds r + 2 predictions; gather_all must return all of them, in rank order, on every
+    rank."""
+    import torch
+    cluster.run(on_every_rank, gather_all, _predictions_of, seconds=10.0, detail=True)
+    expected = torch.cat([_predictions_of(r)[0] for r in range(cluster.n)])
+    for rank, (status, value) in enumerate(cluster.results):
+        if status == "error":
+            return (f"wrong: rank {rank}: {value[:120]} -- all_gather needs the same shape on every rank: gather "
+                    "the sizes first, pad to the largest, gather, then cut each piece to its size")
+        if not isinstance(value, torch.Tensor) or value.shape != expected.shape or not torch.equal(value, expected):
+            got = value.tolist() if isinstance(value, torch.Tensor) else value
+            return f"wrong: rank {rank} got {got}, expected {expected.tolist()}"
+    return f"correct: every rank has all {len(expected)} predictions in rank order"
+
+
+# The solutions; tests/test_failures_notebook.py checks that each checker accepts its solution and rejects the
+# skeleton the notebook starts from.
+def solution_mean_loss(loss: float) -> float:
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([loss])
+    dist.all_reduce(t)  # every rank calls the collective...
+    mean = t.item() / dist.get_world_size()
+    if dist.get_rank() == 0:  # ...and only the printing is rank 0's
+        print(f"mean loss {mean:.3f}")
+    return mean
+
+
+def solution_gather_all(preds):
+    import torch
+    import torch.distributed as dist
+    n = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([len(preds)]))  # 1. every rank learns every size
+    longest = max(int(s) for s in sizes)
+    padded = torch.cat([preds, preds.new_zeros(longest - len(preds))])  # 2. the same shape everywhere
+    pieces = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(pieces, padded)  # 3. now all_gather can work
+    return torch.cat([p[:int(s)] for p, s in zip(pieces, sizes)])  # 4. cut the padding off again
+
