@@ -14,10 +14,13 @@ import time
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import ROOT, env
 from tutorial import bench
-from tutorial.core.data import DataInfo
+from tutorial.core import tracking
+from tutorial.core.config import TrainConfig
+from tutorial.core.data import SHAPES, DataInfo, build_datasets
 from tutorial.core.models import build_model
 
 REQUIRED = {"kind", "date", "hardware", "versions", "command", "parameters", "results"}
@@ -61,23 +64,28 @@ def test_scaling_speedup_efficiency_and_breakdown():
                                                                                                                4, 8]
 
 
-class FakeLoader:
-    def __init__(self, batches, samples, batch_size):
-        self.batches, self.batch_size, self.sampler = batches, batch_size, range(samples)
+def test_runlog_times_steps_only_on_request_and_counts_short_and_accumulated_batches():
+    loader = DataLoader(TensorDataset(torch.zeros(70, 1), torch.zeros(70)), batch_size=32)  # 32, 32, 6
+    assert "step_times" not in tracking.RunLog(TrainConfig(), False).finish()
+    log = tracking.RunLog(TrainConfig(time_steps=True), False)
+    for epoch in range(2):
+        for i, (X, y) in enumerate(log.bar(loader, epoch)):
+            if epoch == 0 or i % 2 == 1 or i + 1 == len(loader):  # epoch 1: two micro-batches per step
+                log.step(i, torch.zeros(()), 0.1, 1.0)
+    times = log.finish()["step_times"]
+    assert times["samples"] == [32, 32, 6, 64, 6] and len(times["seconds"]) == 5
+    assert all(s >= 0 for s in times["seconds"]) and len(times["cpu_seconds"]) == 5
 
-    def __len__(self):
-        return self.batches
+
+def test_synthetic_data_has_the_datasets_shape():
+    train, test, info = build_datasets(TrainConfig.preset("smoke", synthetic=True, max_steps=3))
+    assert info == SHAPES["digits"] and train[0][0].shape == (1, 8, 8) and len(train) >= 3 * 32
+    assert {int(train[i][1]) for i in range(len(train))} == set(range(10))
 
 
-def test_step_timer_leaves_out_warmup_and_counts_short_last_batches():
-    timer = bench.StepTimer()
-    timer.cuda = False
-    for _ in range(2):  # two epochs of 70 samples in batches of 32: 32, 32, 6
-        timer.epoch_start(FakeLoader(3, 70, 32))
-        for _ in range(3):
-            timer.step()
-    seconds, samples = timer.steps(warmup=2)
-    assert samples == [6, 32, 32, 6] and len(seconds) == 4 and all(s >= 0 for s in seconds)
+def test_measure_run_times_a_real_trainer_after_its_warmup():
+    run = bench.measure_run("single", TrainConfig.preset("smoke", synthetic=True), warmup=2, steps=3)
+    assert run["samples"] == [32, 32, 32] and len(run["seconds"]) == 3 and run["threads"] >= 1
 
 
 def test_results_line_schema(tmp_path):
@@ -137,12 +145,14 @@ def test_bare_loop_runs_the_package_model_without_package_code():
 @pytest.mark.parametrize("args, says", [
     (["train", "--nproc", str(os.cpu_count() + 1), "--strategy", "ddp"], "more than"),
     (["train", "--strategy", "fsdp"], "'fsdp' is not one of"),
-    (["train", "--steps", "0"], "--steps must be at least 1"),
+    (["train", "--steps", "0"], "--steps: must be at least 1, got 0"),
     (["train", "--strategy", "single", "--nproc", "2"], "runs one process"),
-    (["allreduce", "--nproc", "1"], "at least 2 processes"),
+    (["allreduce", "--nproc", "1"], "--nproc: must be at least 2"),
+    (["allreduce", "--max-bytes", "12Q"], "'12Q' is not a size"),
     (["allreduce", "--backend", "nccl"] if not torch.cuda.is_available() else ["allreduce", "--nproc", "999"], ""),
     (["scaling", "--max-nproc", str(os.cpu_count() + 1)], "--max-nproc"),
-    (["nonsense"], "not one of"),
+    (["nonsense"], "invalid choice: 'nonsense'"),
+    ([], "required"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, says, capsys):
     assert bench.main(args) == 2

@@ -30,6 +30,7 @@ class TrainConfig:
     image_size: int = 0            # 0: the dataset's own size (synthetic: 224)
     workers: int = 0               # DataLoader worker processes per training process (01_single_device measures it)
     pin_memory: bool = True        # page-locked host memory, only used when training on a GPU
+    synthetic: bool = False        # random images of the dataset's shape instead of its data (throughput runs)
     # model
     model: str = "cnn"             # cnn has no BatchNorm or dropout, so distributed runs can match one process exactly
     channels_last: bool = False    # NHWC memory layout: faster convolutions on tensor cores
@@ -57,6 +58,7 @@ class TrainConfig:
     resume: str = ""               # "auto": continue from out/checkpoint.pt; or a checkpoint path; "": start fresh
     progress: bool | None = None   # tqdm bar on rank 0; None: only when stderr is a terminal and not in CI
     log_every: int = 10            # steps between TensorBoard step scalars
+    time_steps: bool = False       # time every optimizer step into metrics["step_times"] (tutorial bench)
     preset_name: str = ""          # the preset this config came from (for the record)
 
     @classmethod

@@ -2,7 +2,8 @@
 
 digits (scikit-learn's real 8x8 handwritten digits, shipped with the package) is the offline CPU default. MNIST and
 CIFAR-10 come through torchvision: downloaded where there is internet, else read from --data-dir. ImageFolder reads an
-ImageNet layout (train/ and val/ with one folder per class). synthetic feeds random images for throughput runs.
+ImageNet layout (train/ and val/ with one folder per class). synthetic feeds random images for throughput runs, and
+cfg.synthetic=True random images shaped like any of them (no download, no decoding: the model's cost alone).
 """
 from __future__ import annotations
 
@@ -31,16 +32,17 @@ class DataInfo:
 
 
 # Each dataset's image shape, so that speed measurements and lessons need no download (random data of that shape).
-SHAPES = {"digits": DataInfo(1, 10, 8), "mnist": DataInfo(1, 10, 28), "cifar10": DataInfo(3, 10, 32)}
+SHAPES = {"digits": DataInfo(1, 10, 8), "mnist": DataInfo(1, 10, 28), "cifar10": DataInfo(3, 10, 32),
+          "imagefolder": DataInfo(3, 1000, 224), "synthetic": DataInfo(3, 1000, 224)}
 
 
 class SyntheticImages(Dataset):
-    """Random images with fixed labels: no decoding or disk I/O, so throughput measures the model alone."""
+    """16 fixed random images of a shape, cycled, with labels i % classes: no decoding or disk I/O."""
 
-    def __init__(self, size: int, image_size: int, num_classes: int = 1000, seed: int = 0):
+    def __init__(self, size: int, info: DataInfo, seed: int = 0):
         gen = torch.Generator().manual_seed(seed)
-        self.images = torch.randn(16, 3, image_size, image_size, generator=gen)
-        self.size, self.num_classes = size, num_classes
+        self.images = torch.randn(16, info.in_channels, info.image_size, info.image_size, generator=gen)
+        self.size, self.num_classes = size, info.num_classes
 
     def __len__(self):
         return self.size
@@ -110,17 +112,19 @@ def _imagefolder(cfg: TrainConfig):
 
 
 def build_datasets(cfg: TrainConfig):
-    """(train_set, test_set, DataInfo) for cfg.dataset; identical on every rank."""
+    """(train_set, test_set, DataInfo) for cfg.dataset (random images of its shape with cfg.synthetic); identical on
+    every rank."""
+    if cfg.synthetic or cfg.dataset == "synthetic":
+        shape = SHAPES[cfg.dataset]
+        info = DataInfo(shape.in_channels, shape.num_classes, cfg.image_size or shape.image_size)
+        # Enough samples for max_steps (or 64 steps) of the global batch of up to 8 ranks in one epoch.
+        n = max(cfg.max_steps, 64) * cfg.batch_size * cfg.grad_accum * 8
+        return SyntheticImages(n, info), SyntheticImages(cfg.batch_size * 4, info, seed=1), info
     if cfg.dataset == "digits":
         return _digits()
     if cfg.dataset in ("mnist", "cifar10"):
         return _torchvision(cfg)
-    if cfg.dataset == "imagefolder":
-        return _imagefolder(cfg)
-    size = cfg.image_size or 224
-    # Enough samples for max_steps (or 64 steps) of the global batch; the exact count does not matter.
-    n = max(cfg.max_steps, 64) * cfg.batch_size * cfg.grad_accum * 8
-    return SyntheticImages(n, size), SyntheticImages(cfg.batch_size * 4, size, seed=1), DataInfo(3, 1000, size)
+    return _imagefolder(cfg)
 
 
 def make_loader(dataset, cfg: TrainConfig, device: torch.device, sampler=None, batch_size: int | None = None):

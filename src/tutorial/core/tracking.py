@@ -1,4 +1,5 @@
-"""What a run reports: rank-0 console lines, a tqdm bar, TensorBoard scalars and metrics.json.
+"""What a run reports: rank-0 console lines, a tqdm bar, TensorBoard scalars and metrics.json; on request
+(cfg.time_steps, used by `tutorial bench`) the time of every optimizer step; and aligned text tables.
 
 Only rank 0 writes or prints (03_distributed_data_parallel): eight ranks printing the same line teach nothing, and
 eight writers on one file corrupt it.
@@ -35,6 +36,25 @@ def _progress_wanted(cfg: TrainConfig) -> bool:
     return sys.stderr.isatty() and not os.environ.get("CI")
 
 
+def print_table(rows: list[dict], floatfmt: str = ".3g") -> None:
+    """Rows of dicts as an aligned text table (the notebooks' and `tutorial bench`'s tables of measurements)."""
+    if not rows:
+        print("(no rows)")
+        return
+    keys = list(rows[0])
+
+    def fmt(v):
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return str(v)
+
+    cells = [[fmt(r.get(k, "")) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
 class RunLog:
     """Collects per-epoch metrics; on the main process also prints, draws the bar and writes files."""
 
@@ -43,6 +63,7 @@ class RunLog:
         self.metrics = dict(meta, config=cfg.to_dict(), epochs=[])
         self.started = time.perf_counter()
         self.writer = None
+        self.timer = StepTimer() if cfg.time_steps else None
         if is_main and cfg.out:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -56,14 +77,18 @@ class RunLog:
         if self.is_main:
             print(message, flush=True)
 
-    def bar(self, iterable, epoch: int):
+    def bar(self, loader, epoch: int):
+        """The epoch's batches (the loop calls this as the epoch starts), with a progress bar on rank 0."""
+        batches = self.timer.epoch(loader) if self.timer else loader
         if not (self.is_main and _progress_wanted(self.cfg)):
-            return iterable
+            return batches
         from tqdm.auto import tqdm
-        return tqdm(iterable, desc=f"epoch {epoch}", leave=False)
+        return tqdm(batches, desc=f"epoch {epoch}", total=len(loader), leave=False)
 
     def step(self, step: int, loss: torch.Tensor, lr: float, loss_scale: float) -> None:
         """Step scalars every log_every steps (loss.item() waits for the GPU, so not every step)."""
+        if self.timer:
+            self.timer.step()
         if self.writer and step % self.cfg.log_every == 0:
             self.writer.add_scalar("train/loss", loss.item(), step)
             self.writer.add_scalar("train/lr", lr, step)
@@ -85,6 +110,8 @@ class RunLog:
         self.metrics.update(test_accuracy=last.get("test_accuracy"), test_loss=last.get("test_loss"),
                             train_loss=last.get("train_loss"), wall_seconds=time.perf_counter() - self.started,
                             **final)
+        if self.timer:
+            self.metrics["step_times"] = self.timer.result()
         self._write()
         if self.writer:
             self.writer.close()
@@ -96,3 +123,48 @@ class RunLog:
             with open(path + ".tmp", "w") as f:
                 json.dump(self.metrics, f, indent=1)
             os.replace(path + ".tmp", path)
+
+
+class StepTimer:
+    """The time of every optimizer step (cfg.time_steps): a stamp as each epoch starts and after each step. On a GPU
+    the stamp is a CUDA event on the stream, read once after the run, so timing never drains the GPU's queue. On a
+    CPU it is the wall clock and this process's CPU time, which on a shared machine leaves out the time other
+    programs had the core. The first step of an epoch counts from the epoch's start (creating the loader's iterator
+    is loading data); evaluation between epochs is not a step. Leaving out warm-up steps is the reader's choice."""
+
+    def __init__(self):
+        self.cuda = torch.cuda.is_available()
+        self.marks, self.samples = [], 0  # (stamp, samples in the step it ends, whether it starts an epoch)
+
+    def _stamp(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter(), time.process_time()
+
+    def epoch(self, loader):
+        self.marks.append((self._stamp(), 0, True))
+        return self._counted(loader)
+
+    def _counted(self, loader):
+        for X, y in loader:
+            self.samples += len(y)  # exact with a short last batch and with gradient accumulation
+            yield X, y
+
+    def step(self) -> None:
+        self.marks.append((self._stamp(), self.samples, False))
+        self.samples = 0
+
+    def result(self) -> dict:
+        """Seconds and samples of every step in order, and (CPU only) the process's CPU seconds."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        seconds, cpu_seconds, samples = [], [], []
+        for (start, _, _), (end, n, starts_epoch) in zip(self.marks, self.marks[1:]):
+            if starts_epoch:  # the time before an epoch starts was evaluation, not a step
+                continue
+            seconds.append(start.elapsed_time(end) / 1000 if self.cuda else end[0] - start[0])
+            cpu_seconds.append(None if self.cuda else end[1] - start[1])
+            samples.append(n)
+        return dict(seconds=seconds, samples=samples, cpu_seconds=None if self.cuda else cpu_seconds)

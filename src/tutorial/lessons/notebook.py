@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from ..core.config import TrainConfig, default_preset
+from ..core.tracking import print_table  # noqa: F401 - the notebooks' tables: notebook.print_table
 
 # The accuracy each preset reaches when training works; notebooks compare against these, not exact numbers.
 EXPECTED_ACCURACY = {"smoke": 0.95, "workshop": 0.85, "benchmark": 0.0}
@@ -65,25 +66,6 @@ def runs_dir(name: str) -> str:
     path = os.path.join(os.environ.get("TUTORIAL_RUNS", "runs"), name)
     os.makedirs(path, exist_ok=True)
     return path
-
-
-def print_table(rows: list[dict], floatfmt: str = ".3g") -> None:
-    """Rows of dicts as an aligned text table (the notebooks' tables of measurements)."""
-    if not rows:
-        print("(no rows)")
-        return
-    keys = list(rows[0])
-
-    def fmt(v):
-        if isinstance(v, float):
-            return format(v, floatfmt)
-        return str(v)
-
-    cells = [[fmt(r.get(k, "")) for k in keys] for r in rows]
-    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
-    for c in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 
 def _child_pids() -> list[int]:

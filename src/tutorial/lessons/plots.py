@@ -75,19 +75,6 @@ def allreduce_plot(lines: list[dict], ax=None):
     return fig
 
 
-def throughput_plot(lines: list[dict], ax=None):
-    """Median samples/s of `bench train` lines as bars, with the min-max spread as error bars."""
-    fig, ax = _axes(ax)
-    labels, medians, low, high = [], [], [], []
-    for line in lines:
-        p, s = line["parameters"], line["results"]["samples_per_second"]
-        labels.append(f"{p['strategy']} x{p['nproc']}\n{p['model']} {p['precision']} b{p['batch_size']}")
-        medians.append(s["median"]), low.append(s["median"] - s["min"]), high.append(s["max"] - s["median"])
-    ax.bar(labels, medians, yerr=[low, high], capsize=4)
-    ax.set(ylabel="samples/s", title="training throughput")
-    return fig
-
-
 def speedup_efficiency_plot(series: dict, amdahl=(), ax=None):
     """Speed-up (left, with the ideal line and Amdahl curves) and efficiency (right) against processes for several
     scaling tables on the same axes: `series` maps a label to rows of `tutorial.bench.scaling_table` (results/*.jsonl

@@ -1,0 +1,65 @@
+"""The record of a measurement: one JSON line per result in results/<kind>.jsonl with the hardware, the versions, the
+exact command, the load average and the date, so a number in a notebook or a slide can always be traced back."""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from ..core.process import usable_cores
+
+
+@functools.cache
+def environment() -> dict:
+    """The hardware and versions, from torch.utils.collect_env (what `python -m torch.utils.collect_env` reports)."""
+    from torch.utils.collect_env import get_env_info
+    env = get_env_info()
+    cpu = next((line.split(":", 1)[1].strip() for line in (env.cpu_info or "").splitlines()
+                if line.startswith("Model name")), platform.processor() or platform.machine())
+    gpus = [line.split(": ", 1)[-1] for line in (env.nvidia_gpu_models or "").splitlines() if line.strip()]
+    hardware = dict(cpu=cpu, cores=os.cpu_count(), usable_cores=usable_cores(), gpus=gpus, os=env.os,
+                    nvidia_driver=env.nvidia_driver_version)
+    versions = dict(python=platform.python_version(), torch=env.torch_version, cuda=env.cuda_compiled_version,
+                    cudnn=env.cudnn_version)
+    if torch.cuda.is_available():
+        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    for package in ("torchvision", "horovod"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[package] = metadata.version(package)
+    return dict(hardware=hardware, versions=versions)
+
+
+def summary(values) -> dict:
+    """median, min, max and every repeat: the spread is part of the result."""
+    values = [float(v) for v in values]
+    return dict(median=statistics.median(values), min=min(values), max=max(values), repeats=values)
+
+
+def append_result(results_dir, kind: str, command: list, parameters: dict, results: dict) -> Path:
+    """One JSON line in results_dir/<kind>.jsonl; returns the file."""
+    line = dict(kind=kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                **environment(), command=list(command),
+                # A busy machine slows every number down: the load average says how quiet it was.
+                load_average=[round(x, 2) for x in os.getloadavg()],
+                parameters=parameters, results=results)
+    path = Path(results_dir) / f"{kind}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return path
+
+
+def read_results(path, kind: str | None = None) -> list[dict]:
+    """Every line of a results file (or of every *.jsonl in a folder), optionally of one kind."""
+    path = Path(path)
+    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    lines = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+    return [line for line in lines if kind is None or line["kind"] == kind]
