@@ -36,9 +36,9 @@ def test_a_missing_interface_fails_at_once_with_its_name():
 
 
 def test_torchrun_c10d_rendezvous_numbers_two_nodes():
-    commands = commands.torchrun_nodes("", rdzv="c10d", program=["-m", "tutorial.launch.worker"])
-    assert all("--node_rank" not in cmd for cmd in commands)
-    seen = multi_node.rank_reports(processes.launch(commands, timeout=120))
+    nodes = commands.torchrun_nodes("", rdzv="c10d", program=["-m", "tutorial.launch.worker"])
+    assert all("--node_rank" not in cmd for cmd in nodes)
+    seen = multi_node.rank_reports(processes.launch(nodes, timeout=120))
     assert [r["rank"] for r in seen] == [0, 1]
     assert all(r["world_size"] == 2 and r["all_reduce_sum"] == 3 and r["init_method"] == "env" for r in seen)
 
@@ -59,7 +59,7 @@ def test_a_failing_node_is_one_error_with_its_output():
 
 
 def test_a_failed_node_ends_the_launch(monkeypatch):
-    monkeypatch.setattr(multinode, "FAILED_NODE_GRACE_S", 1.0)
+    monkeypatch.setattr(processes, "FAILED_NODE_GRACE_S", 1.0)
     waiting = [sys.executable, "-c", "import time; time.sleep(120)"]
     fail = [sys.executable, "-c", "raise SystemExit(4)"]
     start = time.monotonic()

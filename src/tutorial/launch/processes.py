@@ -1,46 +1,58 @@
-"""Start commands as "nodes", wait for them with a bound, and make sure nothing they started survives.
+"""Start commands as "nodes", wait for them with a bound, and find and stop whatever a launch or a cluster left behind.
 
-Every process started here carries the environment variable TUTORIAL_LAUNCH=<this Python process's tag>/<n>.
-Launchers start their workers in new sessions (torchrun, horovodrun), so neither the process tree nor the process
-group finds them once the launcher is gone; the inherited variable does.
+Every process started here, and every controller, engine and mpiexec of tutorial.launch.engines, carries the
+environment variable TUTORIAL_LAUNCH=<this Python process's tag>/<n>. Launchers start their workers in new sessions
+(torchrun, horovodrun, ipyparallel), so neither the process tree nor the process group finds them once the launcher is
+gone; the inherited variable does. A Python process started under a tag extends it, so a test finds what the
+notebook kernel it started has started.
+
+`python -m tutorial.launch.processes` (scripts/check_leftovers.sh) lists every process on this machine whose command
+line names one of PROCESS_NAMES, and fails if there is one.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 from ..core.process import open_mpi_env
 from .commands import display
 
-
 TAG_VARIABLE = "TUTORIAL_LAUNCH"
-
-
-TAG = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # marks the processes this Python process starts
-
-
-_launches = 0
-
-
+# Marks the processes this Python process starts: below the tag it inherited, if a launch started it.
+TAG = "/".join(filter(None, (os.environ.get(TAG_VARIABLE), f"{os.getpid()}-{os.urandom(4).hex()}")))
+# What a launch or a cluster may leave running: engines (and their nannies), controllers, MPI launchers and daemons,
+# the launchers people type, their workers, and a cluster's reaper. The one list for tests and check_leftovers.sh.
+PROCESS_NAMES = ("ipengine", "ipcontroller", "ipcluster", "ipyparallel.engine", "ipyparallel.controller",
+                 "ipyparallel.cluster", "mpiexec", "mpirun", "orted", "prted", "hydra_pmi_proxy", "horovodrun",
+                 "torchrun", "torch.distributed.run", "tutorial.launch.worker", "tutorial.launch.engines",
+                 "tutorial.train_")
 FAILED_NODE_GRACE_S = 15.0
+_launches = itertools.count(1)
+
+
+def new_tag() -> str:
+    """A mark for one launch or one cluster: every process started with it in its environment can be found."""
+    return f"{TAG}/{next(_launches)}"
 
 
 def launcher_env(threads: int = 1, cpu: bool = True, **extra) -> dict:
     """The environment for a rehearsal launch. Each rehearsed node gets `threads` cores' worth of threads, and
     cpu=True hides GPUs, so two "nodes" never share one GPU (NCCL refuses that) and every machine gets the
     same gloo result. MASTER_ADDR/PORT from the caller are dropped: the launcher must set them."""
-    global _launches
-    _launches += 1
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONUNBUFFERED="1", CI=env.get("CI", "true"), OMP_NUM_THREADS=str(threads))
-    env[TAG_VARIABLE] = f"{TAG}/{_launches}"
+    env[TAG_VARIABLE] = new_tag()
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     env = open_mpi_env(env)
@@ -77,7 +89,7 @@ class Nodes:
     fill up and block the node, and a shared file offset would let our reads move its writes."""
 
     def __init__(self, commands: list[list[str]], env: dict):
-        env.setdefault(TAG_VARIABLE, launcher_env()[TAG_VARIABLE])
+        env.setdefault(TAG_VARIABLE, new_tag())
         self.tag, self.commands = env[TAG_VARIABLE], commands
         self.dir = tempfile.TemporaryDirectory(prefix="tutorial-nodes-")
         self.logs = [Path(self.dir.name) / f"node{i}.log" for i in range(len(commands))]
@@ -104,9 +116,8 @@ def launch(commands: list[list[str]] | list[str], out: str = "", timeout: float 
 
     On a timeout or an interrupt every process of the launch is stopped, workers included, and so are the other
     nodes FAILED_NODE_GRACE_S after one node failed (torchrun's agents would otherwise wait 300 s for it at their
-    exit barrier). check=True turns a
-    failure into one error naming the node and its last output lines. One command (mpirun, horovodrun) is a
-    launch from one node that starts the processes on all hosts itself.
+    exit barrier). check=True turns a failure into one error naming the node and its last output lines. One command
+    (mpirun, horovodrun) is a launch from one node that starts the processes on all hosts itself.
     """
     if commands and isinstance(commands[0], str):
         commands = [commands]
@@ -139,60 +150,50 @@ def launch(commands: list[list[str]] | list[str], out: str = "", timeout: float 
     return result
 
 
-def _processes():
-    """(pid, name, state, environ) of every process we may read; /proc on Linux, psutil elsewhere."""
-    if Path("/proc/self/environ").exists():
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                environ = (entry / "environ").read_bytes().split(b"\0")
-            except OSError:  # gone meanwhile, or not ours to read
-                continue
-            name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
-            yield int(entry.name), name, state, environ
-        return
-    import psutil
-    for p in psutil.process_iter(["pid", "name", "status"]):
-        try:
-            environ = [f"{k}={v}".encode() for k, v in p.environ().items()]
-        except (psutil.Error, OSError):
-            continue
-        yield p.info["pid"], p.info["name"], "Z" if p.info["status"] == psutil.STATUS_ZOMBIE else "R", environ
-
-
-def leftovers(tag: str = TAG) -> list[dict]:
-    """Processes started by this module (tag: this Python process, or one launch) that still exist, zombies
-    (finished but never waited for) included. An empty list is what a finished notebook must leave behind."""
-    prefix = f"{TAG_VARIABLE}={tag}".encode()
+def leftovers(tag: str | None = TAG, names: tuple[str, ...] = ()) -> list[dict]:
+    """Processes that still exist and carry `tag` (this Python process, one launch or one cluster; None: any tag or
+    none) and, with `names`, whose command line names one of them. Zombies (finished but never waited for) are
+    included and flagged. An empty list is what a finished notebook must leave behind."""
     found = []
-    for pid, name, state, environ in _processes():
-        if pid != os.getpid() and any(v == prefix or v.startswith(prefix + b"/") for v in environ):
-            found.append(dict(pid=pid, name=name, zombie=state == "Z"))
+    for p in psutil.process_iter(["pid", "name", "cmdline", "status", "environ"]):
+        mark, cmdline = (p.info["environ"] or {}).get(TAG_VARIABLE, ""), " ".join(p.info["cmdline"] or [])
+        if p.pid == os.getpid() or (tag is not None and mark != tag and not mark.startswith(tag + "/")):
+            continue
+        if not names or any(name in cmdline for name in names):
+            found.append(dict(pid=p.pid, name=p.info["name"], cmdline=cmdline[:200],
+                              zombie=p.info["status"] == psutil.STATUS_ZOMBIE))
     return found
 
 
 def stop(processes: list[dict], grace: float = 5.0) -> int:
     """SIGTERM, then SIGKILL what is still there after `grace` seconds. Returns how many were signalled.
     Named pids only: `pkill -9 python` (seed 001's cure) would also kill your Jupyter kernel."""
-    pids = [p["pid"] for p in processes if not p.get("zombie")]
+    targets = []
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            targets.append(psutil.Process(p["pid"]))
+    targets = [p for p in targets if _alive(p)]
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        for p in filter(_alive, targets):
+            with contextlib.suppress(psutil.NoSuchProcess):  # psutil spares a pid that another process now has
+                p.send_signal(sig)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        while time.monotonic() < deadline and any(_alive(p) for p in targets):
             time.sleep(0.1)
-    return len(pids)
+    return len(targets)
 
 
-def _alive(pid: int) -> bool:
+def _alive(process: psutil.Process) -> bool:
+    """Running, not a zombie (this machine's init may never reap a killed orphan; it has exited all the same)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and ") Z" in stat.read_text())
+
+
+if __name__ == "__main__":  # scripts/check_leftovers.sh
+    left = [p for p in leftovers(None, PROCESS_NAMES) if not p["zombie"]]
+    for p in left:
+        print(f"{p['pid']} {p['cmdline']}", file=sys.stderr)
+    print("error: processes left behind (above)" if left else "no engine, controller, MPI or launcher process left")
+    sys.exit(1 if left else 0)
