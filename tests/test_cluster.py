@@ -19,57 +19,35 @@ import tutorial.launch.engines as cluster_mod
 import tutorial.train_ddp as train_ddp
 from conftest import needs_horovod, needs_mpi
 
-from tutorial.launch.engines import ClusterError, EngineError, EngineTimeout
 from tutorial.core.config import TrainConfig
-
-# Processes a cluster may leave behind: engines (and their nannies), controllers, MPI launchers and daemons, reapers.
-LEFTOVER_WORDS = ("ipengine", "ipcontroller", "ipcluster", "ipyparallel.engine", "ipyparallel.controller",
-                  "mpiexec", "mpirun", "orted", "tutorial-cluster-reaper")
+from tutorial.launch import processes
+from tutorial.launch.engines import ClusterError, EngineTimeout, RankError
 
 
+def leftovers(tag: str = processes.TAG) -> set[str]:
+    """Cluster processes still running that carry `tag` (default: started by these tests). Everything a cluster
+    starts carries its tag, below this process's; so does what a notebook kernel started here starts."""
+    return {f"{p['pid']} {p['cmdline'][:150]}" for p in processes.leftovers(tag, processes.PROCESS_NAMES)
+            if not p["zombie"]}
 
 
-# Every process these tests start inherits this variable (ipyparallel, mpiexec and the notebook kernel pass the
-# environment on), which tells them apart from processes of other work running on the machine at the same time.
-MARK = "TUTORIAL_CLUSTER_TEST"
-TOKEN = f"{os.getpid()}-{time.time()}"
-
-
-def leftovers(since: float) -> list[str]:
-    """Cluster processes started by these tests after `since` and still running."""
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline", "create_time"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["create_time"] < since - 1 or p.pid == os.getpid() or not any(w in cmd for w in LEFTOVER_WORDS):
-            continue
-        try:
-            if p.environ().get(MARK) == TOKEN and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(f"{p.pid} {cmd[:150]}")
-        except psutil.Error:  # gone meanwhile, or another user's process
-            pass
-    return found
-
-
-def assert_nothing_left(since: float, wait: float = 10.0) -> None:
-    """Processes may take a moment to be reaped; anything still there after `wait` seconds is an orphan."""
+def assert_nothing_left(tag: str = processes.TAG, wait: float = 10.0) -> None:
+    """Processes may take a moment to exit; anything still there after `wait` seconds is an orphan."""
     deadline = time.monotonic() + wait
-    while leftovers(since) and time.monotonic() < deadline:
+    while leftovers(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert leftovers(since) == []
+    assert leftovers(tag) == set()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def file_start():
+def nothing_left_after_the_file():
     """After the whole file: no engine, controller, mpiexec, orted or reaper started by these tests remains."""
-    since = time.time()
-    os.environ[MARK] = TOKEN
-    yield since
-    assert_nothing_left(since)
-    os.environ.pop(MARK, None)
+    yield
+    assert_nothing_left()
 
 
-# Functions for the engines must be importable there, so they live in a module the engines can import (a file in a
-# temporary folder on their PYTHONPATH), not in this test file, whose import name depends on pytest's import mode.
+# The engines import a function from a module by the module's name. This test file's import name depends on pytest's
+# import mode, so the helpers live in a module of their own, in a temporary folder on the engines' PYTHONPATH.
 HELPERS = '''
 import os
 import time
@@ -114,13 +92,13 @@ def helpers(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local(helpers):
     """Two local CPU engines, shared by the tests below (a start costs seconds on 2 cores)."""
-    since = time.time()
     c = cluster_mod.start(n=2, show=False)
     try:
         yield c
     finally:
         c.stop()
-        assert_nothing_left(since)
+        assert c.leftovers() == []
+        assert_nothing_left(c.tag)
 
 
 # ------------------------------------------------------------------------------------------- bad input: fast
@@ -136,20 +114,21 @@ def local(helpers):
     (dict(n=2, interface="no-such-nic0"), "interface 'no-such-nic0' does not exist"),
     (dict(n=2, ip="127.0.0.1", interface="lo"), "not both"),
     (dict(n=2, ports="lots"), "not a port list"),
+    (dict(n=2, profle="x"), "'profle' is neither an option of start"),
 ])
 def test_bad_input_is_one_clear_error_and_starts_nothing(kwargs, message):
     if "sbatch" in message and shutil.which("sbatch"):
         pytest.skip("this machine has Slurm")
-    since = time.time()
+    before = leftovers()
     with pytest.raises(ClusterError, match=message) as info:
         cluster_mod.start(**kwargs)
     assert "\n" not in str(info.value)
-    assert leftovers(since) == []
+    assert leftovers() <= before
 
 
 def test_gpus_required_but_missing_or_too_few(monkeypatch):
     import torch
-    since = time.time()
+    before = leftovers()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ClusterError, match="device='cuda' needs GPUs"):
@@ -160,27 +139,28 @@ def test_gpus_required_but_missing_or_too_few(monkeypatch):
     for device in ("cuda", "auto"):
         with pytest.raises(ClusterError, match="n=2 engines on this node but only 1 GPU"):
             cluster_mod.start(n=2, device=device)
-    assert leftovers(since) == []
+    assert leftovers() <= before
 
 
 def test_busy_port_is_reported_before_anything_starts():
-    since = time.time()
+    before = leftovers()
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         with pytest.raises(ClusterError, match=f"port {port} on 127.0.0.1 is in use"):
             cluster_mod.start(n=2, ports=f"{port}-{port + 20}")
-    assert leftovers(since) == []
+    assert leftovers() <= before
 
 
-def test_engines_that_cannot_start_give_their_output_and_leave_nothing():
-    since = time.time()
+def test_engines_that_cannot_start_give_their_output_and_leave_nothing(monkeypatch):
+    tag = processes.new_tag()
+    monkeypatch.setattr(processes, "new_tag", lambda: tag)  # the tag the cluster will have
     start = time.monotonic()
-    with pytest.raises(EngineError, match="engines stopped while starting"):
+    with pytest.raises(RankError, match="engines stopped while starting"):
         cluster_mod.start(n=2, show=False, launcher=dict(engine_cmd=[sys.executable, "-c", "raise SystemExit(3)"]))
     assert time.monotonic() - start < 30
-    assert_nothing_left(since)
+    assert_nothing_left(tag)
 
 
 # -------------------------------------------------------------------------------------------- local engines
@@ -221,7 +201,7 @@ def test_second_run_on_the_same_engines_repeats_the_first_exactly(local, helpers
 
 def test_exception_on_one_rank_names_it_with_the_remote_traceback(local, helpers):
     start = time.monotonic()
-    with pytest.raises(EngineError) as info:
+    with pytest.raises(RankError) as info:
         local.run(helpers.fail_on_rank, 1)
     message = str(info.value)
     assert info.value.rank == 1 and "rank 1" in message
@@ -249,7 +229,7 @@ def test_engine_killed_mid_run_gives_a_clear_error(local):
     start = time.monotonic()
     killer.start()
     try:
-        with pytest.raises(EngineError, match=f"rank 1 .*pid {victim.pid}.* died") as info:
+        with pytest.raises(RankError, match=f"rank 1 .*pid {victim.pid}.* died") as info:
             local.run(train_ddp.main, cfg)
     finally:
         killer.cancel()
@@ -259,16 +239,21 @@ def test_engine_killed_mid_run_gives_a_clear_error(local):
     assert local.run(train_ddp.main, TrainConfig.preset("smoke", epochs=1, max_steps=2))["world_size"] == 2
 
 
-def test_functions_the_engines_cannot_import_are_refused(local):
-    def defined_here():  # its module (this test file) is not on the engines' path
-        return 1
-    with pytest.raises(ClusterError, match="engines cannot import"):
-        local.run(defined_here)
-    with pytest.raises(ClusterError, match="engines cannot import"):
-        local.run(lambda: 1)
-    defined_here.__module__ = "__main__"  # as in a notebook
-    with pytest.raises(ClusterError, match="defined in the notebook"):
-        local.run(defined_here)
+def test_functions_defined_in_a_notebook_run_on_the_engines(local):
+    """ipyparallel sends a function's code: one defined in a notebook (module __main__), a lambda too, runs on every
+    engine with the engine's namespace as its globals, so it imports what it uses."""
+    def rank_and_pid():
+        import os
+        return int(os.environ["RANK"]), os.getpid()
+    square = lambda x: x * x  # noqa: E731
+    rank_and_pid.__module__ = square.__module__ = "__main__"  # as in a notebook cell
+    assert local.run(rank_and_pid) == (0, local.engines[0].pid)
+    assert local.results == [(e.rank, e.pid) for e in local.engines]
+    assert local.run(square, 7) == 49 and local.results == [49, 49]
+    # A function of a module the engines cannot import fails there, with the engine's own error.
+    rank_and_pid.__module__ = "no_such_module_here"
+    with pytest.raises(RankError, match="ModuleNotFoundError: No module named 'no_such_module_here'"):
+        local.run(rank_and_pid)
 
 
 @needs_horovod
@@ -281,33 +266,37 @@ def test_horovod_on_local_engines_is_refused(local):
 # --------------------------------------------------------------------------------------------- MPI engines
 @needs_mpi
 @needs_horovod
-def test_mpi_engines_run_horovod_and_ddp_with_mpi_ranks(file_start):
+def test_mpi_engines_run_horovod_and_ddp_with_mpi_ranks():
     import tutorial.train_horovod as train_horovod
-    since = time.time()
     with cluster_mod.start(n=2, engines="mpi", show=False) as c:
-        assert [e.rank for e in c.engines] == [e.mpi_rank for e in c.engines] == [0, 1]
+        # ipengine --mpi asks for its MPI rank as engine id; the rank is the MPI rank in any case.
+        assert [e.rank for e in c.engines] == [e.mpi_rank for e in c.engines] == [e.engine_id for e in c.engines]
+        assert [e.rank for e in c.engines] == [0, 1]
         hvd = c.run(train_horovod.main, TrainConfig.preset("smoke", epochs=1))
         assert hvd["world_size"] == 2 and hvd["replicas_identical"]
         ddp = c.run(train_ddp.main, TrainConfig.preset("smoke", epochs=1))
         assert ddp["world_size"] == 2 and ddp["replicas_identical"]
         again = c.run(train_horovod.main, TrainConfig.preset("smoke", epochs=1))  # Horovod stays initialised
         assert again["replica_checksums"] == hvd["replica_checksums"]
-    assert_nothing_left(since)
+    assert c.leftovers() == []
+    assert_nothing_left(c.tag)
 
 
 # ------------------------------------------------------------------------------- sequence, stop, reaper
 def test_two_clusters_one_after_the_other_and_an_exception_in_the_with_block(helpers):
-    since = time.time()
     with cluster_mod.start(n=1, show=False) as c:
         first = c.run(helpers.whoami)["pid"]
-    assert_nothing_left(since)
+        assert c.leftovers()
+    assert c.leftovers() == []
+    assert_nothing_left(c.tag)
     with pytest.raises(KeyError):  # leaving the block by an exception stops everything too
         with cluster_mod.start(n=1, show=False) as c:
             second = c.run(helpers.whoami)["pid"]
             assert second != first
             assert c.run(helpers.whoami, fresh=True)["pid"] not in (first, second)  # fresh: new engine processes
             raise KeyError("the notebook cell failed")
-    assert_nothing_left(since)
+    assert c.leftovers() == []
+    assert_nothing_left(c.tag)
     with pytest.raises(ClusterError, match="was stopped"):
         c.run(helpers.whoami)
     c.stop()  # twice is fine
@@ -321,26 +310,27 @@ NOTEBOOK_CELLS = [
 ]
 
 
-def test_notebook_px_cell_quiet_output_and_killed_kernel_leaves_nothing():
+def test_notebook_px_cell_quiet_output_and_killed_kernel_leaves_nothing(monkeypatch):
     """The notebook way: %%px runs on every engine, no ipyparallel noise in outputs; a kernel killed with the
     cluster still running (nbval's timeout, a crash) leaves no engine behind thanks to the reaper."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
-    since = time.time()
+    kernel_tag = processes.new_tag()
+    monkeypatch.setenv(processes.TAG_VARIABLE, kernel_tag)  # the kernel's cluster carries it on
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in NOTEBOOK_CELLS])
     client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": "."}})
     with client.setup_kernel():
         for index, cell in enumerate(nb.cells):
             client.execute_cell(cell, index)
         kernel_pid = client.km.provisioner.process.pid
-        assert leftovers(since)  # the cluster is running
+        assert leftovers(kernel_tag)  # the cluster is running
         os.kill(kernel_pid, signal.SIGKILL)  # no stop(): the reaper must clean up
     texts = ["".join(o.get("text", "") for o in cell.outputs) for cell in nb.cells]
     assert nb.cells[0].outputs == []  # no log lines, no progress bar
     assert "rank 0 of 2" in texts[1] and "rank 1 of 2" in texts[1]
     assert "%px" not in texts[1] and "tasks" not in texts[1]  # no progress bar
     assert "epoch 0:" in texts[2] and texts[2].rstrip().endswith("True")
-    assert_nothing_left(since, wait=20)
+    assert_nothing_left(kernel_tag, wait=20)
 
 
 @pytest.mark.parametrize("kind, launcher_class, expected", [
