@@ -1,13 +1,10 @@
-"""Demonstrations for notebooks 00_setup and 05_horovod, importable so that engines and launchers can run them.
+"""Demonstrations for notebook 05_horovod: what runs on every rank, launching the Horovod trainer with horovodrun
+or mpirun from a cell, and the table of seed 002's ThetaGPU results.
 
-Engines cannot see a function defined in a notebook cell, so whatever runs on every rank lives here (or in the
-trainers). The rest keeps the notebooks' cells short: launching the Horovod trainer with horovodrun or mpirun from a
-cell, the table of seed 002's ThetaGPU results, and the check that a stopped cluster left no process behind.
+The functions that run on the engines live in a module (as the trainers do) so that the notebook shows one line
+per demonstration; ipyparallel would also run a self-contained function defined in a notebook cell.
 """
 from __future__ import annotations
-
-import os
-import socket
 
 import torch
 import torch.nn.functional as F
@@ -99,33 +96,3 @@ def compare(runs: dict) -> list[dict]:
              "global batch": m["global_batch_size"], "test accuracy": round(m["test_accuracy"], 4),
              "seconds": round(m["wall_seconds"], 1), "weights": m["replica_checksums"][0][:8]}
             for name, m in runs.items()]
-
-
-# --------------------------------------------------------------------------------------------- clean up
-CLUSTER_PROCESS_NAMES = ("ipengine", "ipcontroller", "ipyparallel", "mpiexec", "mpirun", "orted",
-                         "tutorial-cluster-reaper")
-
-
-def cluster_leftovers(cluster) -> list[dict]:
-    """Processes of a cluster still running after cluster.stop() (00_setup, 05_horovod): its engines on this host,
-    and any controller, engine, mpiexec or Open MPI daemon among this process's descendants. Zombies do not count
-    (they have exited; their parent reaps them)."""
-    import psutil
-    here, found = socket.gethostname(), {}
-    candidates = [e.pid for e in cluster.engines if e.host == here]
-    try:
-        candidates += [p.pid for p in psutil.Process().children(recursive=True)]
-    except psutil.Error:
-        pass
-    for pid in set(candidates) - {os.getpid()}:
-        try:
-            p = psutil.Process(pid)
-            if p.status() == psutil.STATUS_ZOMBIE:
-                continue
-            cmdline = " ".join(p.cmdline())
-        except psutil.Error:
-            continue
-        is_engine = pid in {e.pid for e in cluster.engines}
-        if is_engine or any(name in cmdline for name in CLUSTER_PROCESS_NAMES):
-            found[pid] = dict(pid=pid, name=p.name(), cmdline=cmdline[:120])
-    return list(found.values())
