@@ -171,6 +171,24 @@ def parse_args(description: str = "", argv=None, horovod: bool = False) -> Train
         fail(exc)
 
 
+def to_argv(cfg: TrainConfig, horovod: bool = False) -> list[str]:
+    """The inverse of parse_args: `--preset P` and a flag for each field that differs from preset P, so that
+    parse_args(argv=to_argv(cfg)) == cfg for a config made from a preset (a notebook's cfg, typed at a terminal)."""
+    name = cfg.preset_name or "smoke"  # build_parser's default preset
+    base = TrainConfig.preset(name)
+    argv = ["--preset", name]
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == "preset_name" or (f.name == "fp16_allreduce" and not horovod) or value == getattr(base, f.name):
+            continue  # fp16_allreduce: only train_horovod has the flag, and only Horovod reads the field
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:  # None (progress) is every preset's value, so it never gets here
+            argv += [flag, str(value)]
+    return argv
+
+
 def fail(exc: BaseException, code: int = 2):
     """Print a user error as one line on stderr and exit (no traceback)."""
     print(f"error: {exc}", file=sys.stderr)
