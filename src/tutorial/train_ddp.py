@@ -108,13 +108,13 @@ def evaluate(cfg, model, amp, loader, device):
 def main(cfg: TrainConfig) -> dict:
     device, amp, world, created = setup(cfg)  # DDP: and who we are
     try:  # DDP: leave the process group on every exit path, errors included
-        return train(cfg, device, amp, world)  # DDP
+        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, world)  # DDP: world
+        return train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr)  # DDP
     finally:  # DDP
         teardown(created)  # DDP
 
 
-def train(cfg, device, amp, world) -> dict:  # DDP: main's body, inside the try
-    model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, world)  # DDP: world
+def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr) -> dict:  # DDP: main's loop
     if cfg.compile:
         model = torch.compile(model)
     log = tracking.RunLog(cfg, world.is_main_process, strategy="ddp", world_size=world.world_size,  # DDP: rank 0

@@ -1,38 +1,27 @@
 """Demonstrations for 03_distributed_data_parallel, so its cells stay short.
 
-Some of these run on the engines (`cluster.run(lessons_ddp.overlap_events, cfg)`): engines import functions by
-module and name, so anything a notebook runs on them must live in a module like this one, never in the notebook.
-The others run in the notebook's kernel: a diff of one function between two trainers, the learning-rate schedule
-for several world sizes, torchrun started from a cell, and reading back what rank 0 saved.
+Some of these run on every engine (`cluster.run(lesson.overlap_events, cfg)`): the gradient buckets, and the
+replicas compared tensor by tensor. The others run in the notebook's kernel: the learning-rate schedule for several
+world sizes, torchrun started from a cell, and reading back what rank 0 saved.
 """
 from __future__ import annotations
 
-import difflib
-import inspect
-import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..core.config import TrainConfig
+from .. import train_ddp
+from ..core.config import TrainConfig, to_argv
+from ..core.data import SHAPES, build_datasets
+from ..core.models import build_model, unwrap
 from ..core.optim import lr_at, scaled_lr
-
-
-# ----------------------------------------------------------------------------------------- reading the lesson
-def function_diff(old, new, name: str, context: int = 2) -> None:
-    """The diff of one function between two trainer modules, e.g. function_diff(train_single, train_ddp, "build").
-
-    notebook.diff shows the whole file; one function at a time fits on a slide."""
-    a = inspect.getsource(getattr(old, name)).splitlines()
-    b = inspect.getsource(getattr(new, name)).splitlines()
-    old_name, new_name = old.__name__.rsplit(".", 1)[-1], new.__name__.rsplit(".", 1)[-1]
-    for line in difflib.unified_diff(a, b, f"{old_name}.{name}", f"{new_name}.{name}", n=context, lineterm=""):
-        print(line)
+from ..core.process import threads_per_process
+from ..launch.commands import display
+from ..launch.processes import launch, launcher_env
 
 
 # --------------------------------------------------------------------------------------- lr scaling and warm-up
@@ -67,19 +56,9 @@ def overlap_events(cfg: TrainConfig, bucket_cap_mb: float = 0.1) -> list[dict]:
     several buckets), in reverse order of the parameters, because backward computes the last layers' gradients first.
     A bucket's all-reduce starts as soon as all its gradients are ready, while backward continues with earlier layers.
     """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from ..core.data import build_datasets
-    from ..core.distributed import init_process_group, pick_device, teardown, world_from_env
-    from ..core.models import build_model
-
-    world = world_from_env()
-    device = pick_device(world.local_rank, world.local_world_size)
-    created = init_process_group(world, device)
+    device, _, world, created = train_ddp.setup(cfg)  # the trainer's: who we are, our device, the group joined
     try:
         train_set, _, info = build_datasets(cfg)
-        torch.manual_seed(cfg.seed)
         model = build_model(cfg.model, info).to(device)
         names = {p: n for n, p in model.named_parameters()}
         events = []
@@ -103,7 +82,7 @@ def overlap_events(cfg: TrainConfig, bucket_cap_mb: float = 0.1) -> list[dict]:
         events.append({"event": "backward returned", "what": "every bucket averaged"})
         return events
     finally:
-        teardown(created)
+        train_ddp.teardown(created)
 
 
 # ------------------------------------------------------------------------------------- BatchNorm across replicas
@@ -151,55 +130,32 @@ class GlobalBatchNorm2d(torch.nn.BatchNorm2d):
 
     @classmethod
     def convert(cls, module: torch.nn.Module) -> torch.nn.Module:
-        """Replace every BatchNorm2d in module by a GlobalBatchNorm2d with the same parameters and buffers."""
+        """Replace every BatchNorm2d in module (DDP-wrapped or not) by a GlobalBatchNorm2d that holds the very same
+        parameter and buffer tensors, so a DDP wrapper and an optimizer made before keep working on them."""
         for name, child in module.named_children():
             if isinstance(child, torch.nn.BatchNorm2d):
                 new = cls(child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats)
-                new.load_state_dict(child.state_dict())
-                setattr(module, name, new.to(child.weight.device))
+                for tensor in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+                    setattr(new, tensor, getattr(child, tensor))
+                setattr(module, name, new)
             else:
                 cls.convert(child)
         return module
 
 
-def _build_with_global_bn(cfg: TrainConfig, device, world):
-    """train_ddp.build with GlobalBatchNorm2d in place of SyncBatchNorm (the CPU counterpart of sync_bn=True)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data.distributed import DistributedSampler
-
-    from ..core.data import build_datasets, make_loader
-    from ..core.models import build_model
-    from ..core.optim import build_optimizer
-    train_set, _, info = build_datasets(cfg)
-    sampler = DistributedSampler(train_set, world.world_size, world.rank, shuffle=True, seed=cfg.seed)
-    train_loader = make_loader(train_set, cfg, device, sampler=sampler)
-    model = GlobalBatchNorm2d.convert(build_model(cfg.model, info).to(device))
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    lr = scaled_lr(cfg, world.world_size)
-    return model, build_optimizer(model, cfg, lr), train_loader, None, lr
-
-
 def compare_replicas(cfg: TrainConfig, global_bn: bool = False) -> list[dict]:
-    """Run on every engine: train cfg with train_ddp's own setup, build and loop (cfg.max_steps steps), then gather
-    every rank's state_dict and compare each tensor by name, as seed 004's compare_models.py compares the models
-    each rank saved. global_bn: BatchNorm over the global batch with GlobalBatchNorm2d (runs on CPUs too).
+    """Run on every engine: train cfg with train_ddp's own setup, build and train, then gather every rank's
+    state_dict and compare each tensor by name, as seed 004's compare_models.py compares the models each rank saved.
+    global_bn: BatchNorm over the global batch with GlobalBatchNorm2d, the CPU counterpart of sync_bn=True.
     Returns one row per tensor: its name, parameter or buffer, identical on all ranks, the largest difference.
     """
-    from ..core import checkpoint, tracking
-    from .. import train_ddp
-
     device, amp, world, created = train_ddp.setup(cfg)
     try:
-        build = _build_with_global_bn if global_bn else train_ddp.build
-        model, optimizer, train_loader, _, peak_lr = build(cfg, device, world)
-        log = tracking.RunLog(cfg, False, strategy="ddp", world_size=world.world_size)  # quiet: no output, no files
-        state = checkpoint.State()
-        for epoch in range(cfg.epochs):
-            train_loader.sampler.set_epoch(epoch)
-            train_ddp.train_one_epoch(cfg, model, optimizer, amp, train_loader, device, epoch, peak_lr, state, log)
-            if cfg.max_steps and state.step >= cfg.max_steps:
-                break
-        module = checkpoint.unwrap(model)
+        model, optimizer, train_loader, test_loader, peak_lr = train_ddp.build(cfg, device, world)
+        if global_bn:
+            GlobalBatchNorm2d.convert(model)
+        train_ddp.train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr)
+        module = unwrap(model)
         mine = {k: v.detach().cpu() for k, v in module.state_dict().items()}
         every = [None] * world.world_size
         dist.all_gather_object(every, mine)  # every rank's tensors, on every rank
@@ -216,63 +172,31 @@ def compare_replicas(cfg: TrainConfig, global_bn: bool = False) -> list[dict]:
 
 
 # -------------------------------------------------------------------------------------------- torchrun, rank 0 files
-def cli_flags(cfg: TrainConfig) -> list[str]:
-    """The command-line flags that turn cfg's preset into cfg (only the fields that differ from the preset)."""
-    import dataclasses
-    base = TrainConfig.preset(cfg.preset_name) if cfg.preset_name else TrainConfig()
-    flags = ["--preset", cfg.preset_name] if cfg.preset_name else []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name in ("preset_name", "out", "fp16_allreduce") or value == getattr(base, f.name):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + flag[2:])
-        elif value is not None:
-            flags += [flag, str(value)]
-    return flags
-
-
 def torchrun(cfg: TrainConfig, out: str, nproc: int = 2, stage: str = "ddp", timeout: float = 600) -> dict:
     """Launch `torchrun --standalone --nproc_per_node nproc -m tutorial.train_<stage>` with cfg's flags, as from a
     terminal, wait for it (at most timeout seconds), print the command and rank 0's output, and return the
-    metrics.json rank 0 wrote. On a timeout the whole launch (torchrun and its workers) is killed."""
+    metrics.json rank 0 wrote. On a failure, a timeout or an interrupt, torchrun and its workers are stopped."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", f"tutorial.train_{stage}", *cli_flags(cfg), "--out", out]
-    print("$ torchrun " + " ".join(cmd[3:]), flush=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    env["PYTHONUNBUFFERED"] = "1"
-    # The engines' fair share of the cores (tutorial.launch.engines does the same); torchrun would otherwise pick 1 and
-    # print a banner saying so.
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    # A session of its own, so a timeout can end torchrun and every worker it started in one signal.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise TimeoutError(f"torchrun did not finish within {timeout:g} s and was stopped") from None
-    except BaseException:  # an interrupted cell must not leave the workers running
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun exited with code {proc.returncode}:\n{output[-3000:]}")
-    print(output, end="", flush=True)  # only rank 0 prints: one copy of every line, not nproc
-    return json.loads(Path(out, "metrics.json").read_text())
+           "-m", f"tutorial.train_{stage}", *to_argv(cfg.replace(out=out), horovod=stage == "horovod")]
+    print("$ " + display(cmd), flush=True)
+    # The workers' fair share of the cores: torchrun would otherwise give each 1 thread and print a banner saying so.
+    run = launch(cmd, out=out, timeout=timeout, env=launcher_env(threads=threads_per_process(nproc), cpu=False),
+                 check=False)
+    if not run.ok:  # the failed worker's own error line comes before torchrun's long summary of the failure
+        raise RuntimeError(f"torchrun exited with code {run.returncodes[0]}:\n{run.outputs[0][-3000:]}")
+    print(run.outputs[0], end="", flush=True)  # only rank 0 prints: one copy of every line, not nproc
+    return run.metrics
 
 
 def load_checkpoint(out: str):
     """The model rank 0 saved in out/checkpoint.pt, rebuilt on the CPU in one process: (model, checkpoint dict).
 
     Checkpoints hold the unwrapped model, so no DDP and no process group is needed to read one back."""
-    from ..core.data import build_datasets
-    from ..core.models import build_model
-    ckpt = torch.load(Path(out, "checkpoint.pt"), map_location="cpu", weights_only=False)
+    ckpt = torch.load(Path(out, "checkpoint.pt"), map_location="cpu", weights_only=True)
     cfg = TrainConfig(**ckpt["config"])
-    _, _, info = build_datasets(cfg)
+    # The model's shape needs no data where the dataset fixes it; an image folder's classes are its sub-folders.
+    fixed = cfg.dataset in ("digits", "mnist", "cifar10") and not (cfg.synthetic or cfg.image_size)
+    info = SHAPES[cfg.dataset] if fixed else build_datasets(cfg)[2]
     model = build_model(cfg.model, info)
     if cfg.sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -286,5 +210,3 @@ def max_difference(out_a: str, out_b: str) -> float:
     b, _ = load_checkpoint(out_b)
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
-
-# ------------------------------------------------------------------------------------ %%px cells: a fresh port

@@ -6,8 +6,9 @@ machine with `notebook.check(...)` ("test accuracy >= 0.95: True") rather than r
 from __future__ import annotations
 
 import difflib
-import inspect
 import gc
+import importlib
+import inspect
 import os
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from ..core.tracking import print_table  # noqa: F401 - the notebooks' tables: n
 
 # The accuracy each preset reaches when training works; notebooks compare against these, not exact numbers.
 EXPECTED_ACCURACY = {"smoke": 0.95, "workshop": 0.85, "benchmark": 0.0}
-PACKAGE = Path(__file__).parent
+PACKAGE = Path(__file__).parents[1]  # src/tutorial, where the trainers are
 
 
 def choose_preset(**overrides) -> TrainConfig:
@@ -53,11 +54,16 @@ def source(obj) -> None:
     print(inspect.getsource(obj))
 
 
-def diff(old: str, new: str, context: int = 1) -> None:
-    """The lesson of a stage: `diff("train_single", "train_ddp")` prints what DDP adds, as a unified diff."""
-    a = (PACKAGE / f"{old}.py").read_text().splitlines()
-    b = (PACKAGE / f"{new}.py").read_text().splitlines()
-    for line in difflib.unified_diff(a, b, f"{old}.py", f"{new}.py", n=context, lineterm=""):
+def diff(old: str, new: str, function: str | None = None, context: int = 1) -> None:
+    """The lesson of a stage as a unified diff of two trainers: `diff("train_single", "train_ddp")` prints what DDP
+    adds to the file, `diff("train_single", "train_ddp", "build")` what it adds to one function (fits a slide)."""
+    if function:
+        a, b = (inspect.getsource(getattr(importlib.import_module(f"tutorial.{m}"), function)) for m in (old, new))
+        labels = f"{old}.{function}", f"{new}.{function}"
+    else:  # read, not imported: train_horovod's diff shows where Horovod is not installed
+        a, b = ((PACKAGE / f"{m}.py").read_text() for m in (old, new))
+        labels = f"{old}.py", f"{new}.py"
+    for line in difflib.unified_diff(a.splitlines(), b.splitlines(), *labels, n=context, lineterm=""):
         print(line)
 
 
