@@ -2,11 +2,19 @@
 execute them under nbval, but a wrong helper there would print a wrong 'True' that nobody re-derives)."""
 from __future__ import annotations
 
-import torch
+import json
+import os
 
-from tutorial.lessons import data_parallel, horovod as lessons_horovod, mixed_precision, notebook, single_device
+import torch
+import torch.multiprocessing as mp
+
+from tutorial import train_single
 from tutorial.core.config import TrainConfig
+from tutorial.core.data import SHAPES
+from tutorial.core.models import build_model, checksum
 from tutorial.core.optim import lr_at, scaled_lr
+from tutorial.core.process import free_port
+from tutorial.lessons import data_parallel, ddp, horovod as lessons_horovod, mixed_precision, notebook, single_device
 
 
 def test_data_parallel_by_hand_gives_the_full_batch_gradient():
@@ -40,3 +48,66 @@ def test_warmup_reaches_the_scaled_peak():
     assert lr_at(cfg, 0.0, peak) < 0.01 * peak
     assert abs(lr_at(cfg, 1.0, peak) - peak) < 1e-9
     assert lr_at(cfg, 4.0, peak) < 1e-9  # cosine decays to zero at the end
+
+
+# ---------------------------------------------------------------------------------- what the helpers reuse
+def test_diff_shows_a_whole_trainer_or_one_function(capsys):
+    notebook.diff("train_single", "train_ddp")
+    whole = capsys.readouterr().out
+    assert whole.startswith("--- train_single.py\n+++ train_ddp.py\n") and "+from torch.nn.parallel import" in whole
+    notebook.diff("train_single", "train_ddp", "evaluate")
+    one = capsys.readouterr().out.splitlines()
+    assert one[:2] == ["--- train_single.evaluate", "+++ train_ddp.evaluate"]
+    assert [line for line in one if line.startswith(("+", "-"))][2:] == \
+        ["+    dist.all_reduce(sums)  # DDP: sum the shards' loss, correct and count over all ranks"]
+
+
+def test_global_batchnorm_keeps_the_tensors_ddp_and_the_optimizer_hold():
+    model = build_model("cnn_bn", SHAPES["digits"])
+    before = model.state_dict(keep_vars=True)
+    X = torch.randn(4, 1, 8, 8)
+    expected = model(X)
+    ddp.GlobalBatchNorm2d.convert(model)  # in place, as compare_replicas converts a model already wrapped in DDP
+    assert [type(m).__name__ for m in model if "Norm" in type(m).__name__] == ["GlobalBatchNorm2d"] * 2
+    assert all(t is before[name] for name, t in model.state_dict(keep_vars=True).items())
+    assert torch.allclose(model(X), expected, atol=1e-6)  # in one process it is BatchNorm2d
+
+
+def _compare_replicas_on_rank(rank: int, ports: list[int], out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1")
+    cfg = TrainConfig.preset("smoke", model="cnn_bn", epochs=1, max_steps=3)
+    rows = {}
+    for global_bn, port in zip((False, True), ports):  # a fresh group each time, as on the engines
+        os.environ["MASTER_PORT"] = str(port)
+        rows[str(global_bn)] = ddp.compare_replicas(cfg, global_bn=global_bn)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+
+
+def test_compare_replicas_runs_the_trainer_and_finds_the_batchnorm_buffers(tmp_path):
+    out = str(tmp_path / "rows.json")
+    mp.spawn(_compare_replicas_on_rank, args=([free_port(), free_port()], out), nprocs=2)
+    results = json.loads(open(out).read())
+    for global_bn, buffers_differ in (("False", ["1.running_mean", "1.running_var", "4.running_mean", "4.running_var"]),
+                                      ("True", [])):  # each rank's own batch statistics, or the global batch's
+        rows = results[global_bn]
+        assert all(r["identical"] for r in rows if r["kind"] == "parameter")
+        assert sorted(r["tensor"] for r in rows if not r["identical"]) == buffers_differ
+
+
+def test_load_checkpoint_rebuilds_the_saved_model(tmp_path):
+    metrics = train_single.main(TrainConfig.preset("smoke", epochs=1, max_steps=3, out=str(tmp_path)))
+    model, ckpt = ddp.load_checkpoint(str(tmp_path))
+    assert checksum(model) == metrics["replica_checksums"][0] and ckpt["step"] == 3
+
+
+def test_measurements_keep_the_columns_the_notebooks_print():
+    cfg = TrainConfig.preset("smoke")
+    profile = single_device.profile_steps(cfg, steps=2, warmup=1)
+    assert {name: len(times) for name, times in profile.phases.items()} == dict.fromkeys(single_device.PHASES, 2)
+    assert "aten::" in profile.op_table and 0 < profile.share("forward", "backward") < 1
+    assert [list(r) for r in data_parallel.dp_throughput(cfg, steps=2)] == [["model", "gpus", "batch", "samples/s"]] * 2
+    rows = mixed_precision.precision_benchmark(cfg, ("fp32", "bf16"), steps=2)
+    assert [r["precision"] for r in rows] == ["fp32", "bf16"] and all(r["samples/s"] > 0 for r in rows)

@@ -1,26 +1,17 @@
 """02_data_parallel: one DataParallel step spelled out by hand, and DataParallel's throughput."""
 from __future__ import annotations
 
-import contextlib
 import copy
-import gc
-import math
 import os
-import sys
 import threading
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
 
 from ..core.config import TrainConfig
-from ..core.data import DataInfo, build_datasets
-from ..core.models import build_model
 from ..core.precision import Precision
-
-from .measure import SHAPES, _default_device, _native_stderr_silenced, _sync, model_and_batch
+from .measure import _default_device, model_and_batch, step_seconds
 
 
 # ------------------------------------------------------------------------------------------- 02: DataParallel
@@ -77,26 +68,15 @@ def dp_throughput(cfg: TrainConfig, gpu_counts=None, steps: int = 20) -> list[di
                 model, X = model.to(memory_format=torch.channels_last), X.contiguous(memory_format=torch.channels_last)
             if wrapped:
                 model = nn.DataParallel(model, device_ids=list(range(k)) if k else None)
-            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
             if device.type == "cuda":
                 for i in range(k):
                     torch.cuda.reset_peak_memory_stats(i)
-            for i in range(steps + 3):
-                if i == 3:
-                    _sync(device)
-                    start = time.perf_counter()
-                F.cross_entropy(model(X), y).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            _sync(device)
-            seconds = time.perf_counter() - start
+            seconds = step_seconds(model, X, y, Precision("fp32", device), steps)
             row = {"model": "DataParallel" if wrapped else "plain", "gpus": k, "batch": len(X),
-                   "samples/s": round(steps * len(X) / seconds)}
+                   "samples/s": round(len(X) / seconds)}
             if device.type == "cuda":
                 row["peak MiB per GPU"] = " ".join(f"{torch.cuda.max_memory_allocated(i) / 2**20:.0f}"
                                                    for i in range(k))
             rows.append(row)
-            del model, optimizer
+            del model
     return rows
-
-

@@ -1,26 +1,19 @@
-"""Pieces the lesson helpers share: one seeded model and batch, device sync, a quiet stderr (01, 02, 04, 05)."""
+"""Pieces the lesson helpers share: one seeded model and batch, a timed training step, device sync and a quiet
+stderr (01, 02, 04, 05)."""
 from __future__ import annotations
 
 import contextlib
-import copy
-import gc
-import math
 import os
 import sys
-import threading
-import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils import benchmark
 
 from ..core.config import TrainConfig
 from ..core.data import SHAPES, DataInfo, build_datasets
 from ..core.models import build_model
 from ..core.precision import Precision
-
-
 
 
 def _sync(device: torch.device) -> None:
@@ -47,10 +40,6 @@ def _default_device() -> torch.device:
     return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
 
 
-# The shape of each dataset's images, so that speed measurements need no download (random data of that shape).
-
-
-
 def model_and_batch(cfg: TrainConfig, batch_size: int | None = None, device: torch.device | None = None,
                     real: bool = True):
     """The preset's model (seeded, as the trainers build it) and one training batch.
@@ -74,3 +63,20 @@ def model_and_batch(cfg: TrainConfig, batch_size: int | None = None, device: tor
     return model, X.to(device), y.to(device)
 
 
+def step_seconds(model, X: torch.Tensor, y: torch.Tensor, precision: Precision, steps: int = 20) -> float:
+    """Seconds per training step (forward, loss, backward, SGD step) of model on the batch (X, y) under precision.
+
+    torch.utils.benchmark times it: warm-up steps first (the first calls allocate memory and pick kernels), and the
+    GPU synchronised around the timed steps, so kernels are timed and not just queued. num_threads: Timer would
+    otherwise time with one CPU thread."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def step():
+        with precision.autocast():
+            loss = F.cross_entropy(model(X), y)
+        precision.backward(loss)
+        precision.step(optimizer, model.parameters())
+        optimizer.zero_grad(set_to_none=True)
+
+    timer = benchmark.Timer("step()", globals={"step": step}, num_threads=torch.get_num_threads())
+    return timer.timeit(steps).mean

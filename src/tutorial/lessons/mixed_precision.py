@@ -1,27 +1,15 @@
 """04_mixed_precision: number formats, GradScaler's reaction to inf/nan, autocast's dtypes, a speed comparison."""
 from __future__ import annotations
 
-import contextlib
-import copy
-import gc
 import math
-import os
-import sys
-import threading
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
 
-from ..core.config import TrainConfig
-from ..core.data import DataInfo, build_datasets
-from ..core.models import build_model
-from ..core.config import ConfigError
+from ..core.config import ConfigError, TrainConfig
 from ..core.precision import Precision
-
-from .measure import SHAPES, _default_device, _native_stderr_silenced, _sync, model_and_batch
+from .measure import _default_device, model_and_batch, step_seconds
 
 
 # NVIDIA Apex AMP offered four opt levels; torch.amp replaced them. What each level did and what to use now:
@@ -40,7 +28,6 @@ def from_apex(opt_level: str) -> str:
     if opt_level not in APEX_OPT_LEVELS:
         raise ConfigError(f"Apex opt level {opt_level!r} is not one of: {', '.join(APEX_OPT_LEVELS)}")
     return APEX_OPT_LEVELS[opt_level][1]
-
 
 
 # ---------------------------------------------------------------------------------------- 04: mixed precision
@@ -108,22 +95,11 @@ def precision_benchmark(cfg: TrainConfig, precisions=("fp32", "bf16"), steps: in
         model, X, y = model_and_batch(cfg, device=device, real=False)
         if cfg.channels_last:
             model, X = model.to(memory_format=torch.channels_last), X.contiguous(memory_format=torch.channels_last)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        for i in range(steps + 3):
-            if i == 3:
-                _sync(device)
-                start = time.perf_counter()
-            with amp.autocast():
-                loss = F.cross_entropy(model(X), y)
-            amp.backward(loss)
-            amp.step(optimizer, model.parameters())
-            optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        row = {"precision": name, "samples/s": round(steps * len(X) / (time.perf_counter() - start))}
+        row = {"precision": name, "samples/s": round(len(X) / step_seconds(model, X, y, amp, steps))}
         if device.type == "cuda":
             row["peak MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
         rows.append(row)
-        del model, optimizer
+        del model
     return rows

@@ -1,27 +1,17 @@
 """01_single_device: a step profiled by phase, DataLoader workers measured, TensorBoard tags read."""
 from __future__ import annotations
 
-import contextlib
-import copy
-import gc
-import math
-import os
-import sys
-import threading
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, Dataset
 
+from .. import train_single
+from ..core import checkpoint, tracking
 from ..core.config import TrainConfig
-from ..core.data import DataInfo, build_datasets
-from ..core.models import build_model
-from ..core.precision import Precision
-
-from .notebook import _child_pids
-from .measure import SHAPES, _default_device, _native_stderr_silenced, _sync, model_and_batch
+from .measure import _native_stderr_silenced, _sync
+from .notebook import _child_pids, print_table
 
 
 # ------------------------------------------------------------------------------------------ 01: profiling a step
@@ -51,63 +41,46 @@ class StepProfile:
         print_table(rows, ".2f")
 
 
-def _forever(loader):
-    """Batches from the loader, epoch after epoch (itertools.cycle would replay stored batches instead)."""
-    while True:
-        yield from loader
+def profile_steps(cfg: TrainConfig, steps: int = 20, row_limit: int = 10, warmup: int = 3) -> StepProfile:
+    """Run train_single's own setup, build and train_one_epoch for warmup + steps optimizer steps; time the four
+    phases of the last `steps` and record them with torch.profiler.
 
-
-def profile_steps(cfg: TrainConfig, steps: int = 20, row_limit: int = 10) -> StepProfile:
-    """Time the four phases of `steps` training steps of train_single's loop and profile them with torch.profiler.
-
-    Each phase ends with a device synchronisation, so on a GPU a phase's time is its kernels' time and not just the
-    time to queue them (the real loop does not synchronise; this is a measurement, not a training loop).
+    The phases are cut by hooks torch offers: the model's forward pre-hook and forward hook, and the optimizer's
+    step pre- and post-hooks (the loss falls into backward). Each cut first waits for the device, so on a GPU a
+    phase's time is its kernels' time and not just the time to queue them; the trainer itself never waits.
     """
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from .. import train_single
     device, amp = train_single.setup(cfg.replace(out=""))
-    model, optimizer, loader, _, _ = train_single.build(cfg, device)
-    model.train()
-    batches = _forever(loader)
-
-    def one_step(times=None):
-        marks = [time.perf_counter()]
-        with record_function("data"):
-            X, y = next(batches)
-            X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            _sync(device)
-        marks.append(time.perf_counter())
-        with record_function("forward"):
-            with amp.autocast():
-                loss = F.cross_entropy(model(X), y)
-            _sync(device)
-        marks.append(time.perf_counter())
-        with record_function("backward"):
-            amp.backward(loss)
-            _sync(device)
-        marks.append(time.perf_counter())
-        with record_function("optimizer"):
-            amp.step(optimizer, model.parameters())
-            optimizer.zero_grad(set_to_none=True)
-            _sync(device)
-        marks.append(time.perf_counter())
-        if times is not None:
-            for name, a, b in zip(PHASES, marks, marks[1:]):
-                times[name].append(b - a)
-
-    for _ in range(3):  # warm-up: first calls allocate memory and pick kernels
-        one_step()
+    model, optimizer, loader, _, peak_lr = train_single.build(cfg, device)
+    state, log = checkpoint.State(), tracking.RunLog(cfg, False)  # not the main process: prints and writes nothing
     times = {name: [] for name in PHASES}
+    now = {"phase": "data", "since": time.perf_counter(), "recording": False}
+
+    def begins(phase):
+        def hook(*_):  # the phase under way ends here, and `phase` begins
+            _sync(device)
+            end = time.perf_counter()
+            if now["recording"]:
+                times[now["phase"]].append(end - now["since"])
+            now.update(phase=phase, since=end)
+        return hook
+
+    hooks = [model.register_forward_pre_hook(begins("forward")), model.register_forward_hook(begins("backward")),
+             optimizer.register_step_pre_hook(begins("optimizer")), optimizer.register_step_post_hook(begins("data"))]
+
+    def train(until_step):  # the trainer's loop, epoch after epoch if an epoch is shorter
+        while state.step < until_step:
+            train_single.train_one_epoch(cfg.replace(max_steps=until_step), model, optimizer, amp, loader, device,
+                                         0, peak_lr, state, log)
+
+    train(warmup)  # the first steps allocate memory and pick kernels
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with _native_stderr_silenced():
-        with profile(activities=activities) as prof:
-            for _ in range(steps):
-                one_step(times)
-        ops = prof.key_averages()
+    with _native_stderr_silenced(), profile(activities=activities) as prof:
+        now.update(phase="data", since=time.perf_counter(), recording=True)
+        train(warmup + steps)
+    for hook in hooks:
+        hook.remove()
     sort_by = "self_cpu_time_total" if device.type == "cpu" else "self_device_time_total"
-    table = ops.table(sort_by=sort_by, row_limit=row_limit)
-    return StepProfile(times, table, device)
+    return StepProfile(times, prof.key_averages().table(sort_by=sort_by, row_limit=row_limit), device)
 
 
 # --------------------------------------------------------------------------------------- 01: DataLoader workers
