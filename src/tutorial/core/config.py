@@ -26,7 +26,9 @@ class ConfigError(ValueError):
 class TrainConfig:
     # data
     dataset: str = "digits"        # digits is real (scikit-learn ships it) and needs no download
-    data_dir: str = "data"         # where mnist/cifar10 are (or get downloaded to); imagefolder: has train/ and val/
+    data_dir: str = ""             # mnist/cifar10 are (or get downloaded) here; imagefolder: has train/ and val/;
+                                   # "": $TUTORIAL_DATA_DIR, else the checkout's data/ (notebooks and scripts share it)
+    generated: int = 0             # N > 0: N made-up images of the dataset's shape through its real transforms (CI)
     image_size: int = 0            # 0: the dataset's own size (synthetic: 224)
     workers: int = 0               # DataLoader worker processes per training process (01_single_device measures it)
     pin_memory: bool = True        # page-locked host memory, only used when training on a GPU
@@ -91,7 +93,8 @@ class TrainConfig:
             if value < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 1, got {value}")
         non_negative = {"max_steps": self.max_steps, "workers": self.workers, "warmup_epochs": self.warmup_epochs,
-                        "clip_grad": self.clip_grad, "weight_decay": self.weight_decay, "image_size": self.image_size}
+                        "clip_grad": self.clip_grad, "weight_decay": self.weight_decay, "image_size": self.image_size,
+                        "generated": self.generated}
         for name, value in non_negative.items():
             if value < 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be 0 or more, got {value}")
@@ -118,6 +121,11 @@ PRESETS = {
     # The GPU-node default (one process per A100/H100): CIFAR-10 on ResNet-18, bf16, channels_last.
     "workshop": dict(dataset="cifar10", model="resnet18", epochs=10, batch_size=128, lr=0.1, warmup_epochs=1,
                      weight_decay=5e-4, precision="bf16", channels_last=True, workers=4),
+    # The workshop preset's code paths on a CPU, for CI: ResNet-18 with BatchNorm, bf16, channels_last, loader workers
+    # and CIFAR-10's augmentation, on made-up CIFAR-shaped images (nothing can be downloaded there), sized to run
+    # every notebook in minutes on 2 cores. Its accuracy means nothing: it shows the code runs, not that it learns.
+    "workshop-cpu": dict(dataset="cifar10", generated=64, model="resnet18", epochs=1, batch_size=16, lr=0.1,
+                         weight_decay=5e-4, precision="bf16", channels_last=True, workers=4),
     # Throughput measurements: ImageNet-sized synthetic images on ResNet-50, no data loading cost.
     "benchmark": dict(dataset="synthetic", model="resnet50", image_size=224, epochs=1, max_steps=100,
                       batch_size=128, lr=0.1, precision="bf16", channels_last=True, schedule="constant"),

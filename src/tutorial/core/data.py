@@ -8,11 +8,14 @@ cfg.synthetic=True random images shaped like any of them (no download, no decodi
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import os
-import shutil
 import socket
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -63,6 +66,65 @@ def _digits(seed: int = 0):
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test]), DataInfo(1, 10, 8)
 
 
+def data_dir(cfg: TrainConfig) -> str:
+    """Where datasets live: --data-dir if given, else $TUTORIAL_DATA_DIR, else the checkout's data/ folder, so the
+    notebooks (which run in notebooks/) and the scripts (run from the checkout) share one copy."""
+    if cfg.data_dir:
+        return cfg.data_dir
+    if os.environ.get("TUTORIAL_DATA_DIR"):
+        return os.environ["TUTORIAL_DATA_DIR"]
+    checkout = Path(__file__).resolve().parents[3]  # src/tutorial/core/data.py -> the checkout (editable install)
+    return str(checkout / "data") if (checkout / "pyproject.toml").exists() else "data"
+
+
+@contextlib.contextmanager
+def one_downloader(folder: str, what: str, timeout: float = 1800):
+    """Let one process of the job download into `folder` while the others wait for it (an exclusive lock on a file
+    there): 8 ranks downloading the same archive at once would fetch it 8 times and unpack it over each other.
+    The wait is bounded and says what it waits for."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, ".download.lock"), "w") as lock:
+        deadline, told = time.monotonic() + timeout, False
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not told:
+                    print(f"waiting (up to {timeout:.0f} s) for another process downloading {what} into {folder}",
+                          file=sys.stderr, flush=True)
+                    told = True
+                if time.monotonic() > deadline:
+                    raise DataError(f"gave up after {timeout:.0f} s waiting for another process to download {what} "
+                                    f"into {folder}") from None
+                time.sleep(1)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class GeneratedImages(Dataset):
+    """Made-up images of a dataset's shape whose classes can be learnt (a fixed pattern per class plus noise), as
+    PIL images through the dataset's own transforms: the workshop-cpu preset's stand-in for CIFAR-10 in CI, where
+    nothing can be downloaded. Only the pixels are made up; the augmentation, loaders and model are the real ones."""
+
+    def __init__(self, size: int, info: DataInfo, transform, seed: int = 0):
+        gen = torch.Generator().manual_seed(1234)  # the same class patterns for train and test
+        self.patterns = torch.rand(info.num_classes, info.in_channels, info.image_size, info.image_size, generator=gen)
+        self.size, self.info, self.transform, self.seed = size, info, transform, seed
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        from PIL import Image
+        label = i % self.info.num_classes
+        noise = torch.rand(self.patterns.shape[1:], generator=torch.Generator().manual_seed(self.seed * 10**6 + i))
+        pixels = (0.6 * self.patterns[label] + 0.4 * noise).mul(255).byte().permute(1, 2, 0).squeeze(-1).numpy()
+        return self.transform(Image.fromarray(pixels)), label
+
+
 def _torchvision(cfg: TrainConfig):
     from torchvision import datasets, transforms as T
     if cfg.dataset == "mnist":
@@ -74,33 +136,40 @@ def _torchvision(cfg: TrainConfig):
         normalize = T.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
         train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
         test_tf = T.Compose([T.ToTensor(), normalize])
+    if cfg.generated:
+        return (GeneratedImages(cfg.generated, info, train_tf), GeneratedImages(cfg.generated // 4, info, test_tf, 1),
+                info)
+    root = data_dir(cfg)
     try:
-        return cls(cfg.data_dir, train=True, transform=train_tf), cls(cfg.data_dir, train=False, transform=test_tf), info
+        return cls(root, train=True, transform=train_tf), cls(root, train=False, transform=test_tf), info
     except RuntimeError:
         pass  # not on disk: try to download it, as the seeds do on machines with internet
-    old_timeout, created = socket.getdefaulttimeout(), not os.path.exists(cfg.data_dir)
-    socket.setdefaulttimeout(30)  # a compute node without internet should fail in seconds, not hang
-    chatter = io.StringIO()  # torchvision prints its download attempts; keep them for the error message
-    try:
-        os.makedirs(cfg.data_dir, exist_ok=True)
-        with contextlib.redirect_stdout(chatter):
-            train = cls(cfg.data_dir, train=True, transform=train_tf, download=True)
-            return train, cls(cfg.data_dir, train=False, transform=test_tf, download=True), info
-    except Exception as exc:  # noqa: BLE001 - any download failure means the same thing to the user
-        text = chatter.getvalue() + "\n" + str(exc)
-        lines = [line.strip() for line in text.splitlines() if "error" in line.lower()] or [type(exc).__name__]
-        if created:
-            shutil.rmtree(cfg.data_dir, ignore_errors=True)
-        raise DataError(f"{cfg.dataset} is not in --data-dir {cfg.data_dir!r} and could not be downloaded "
-                        f"({lines[-1][:160]}); download it where there is internet into that folder") from None
-    finally:
-        socket.setdefaulttimeout(old_timeout)
+    with one_downloader(root, cfg.dataset):
+        try:  # whoever waited for the lock finds it on disk now
+            return cls(root, train=True, transform=train_tf), cls(root, train=False, transform=test_tf), info
+        except RuntimeError:
+            pass
+        old_timeout = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(30)  # a compute node without internet should fail in seconds, not hang
+        chatter = io.StringIO()  # torchvision prints its download attempts; keep them for the error message
+        try:
+            with contextlib.redirect_stdout(chatter):
+                train = cls(root, train=True, transform=train_tf, download=True)
+                return train, cls(root, train=False, transform=test_tf, download=True), info
+        except Exception as exc:  # noqa: BLE001 - any download failure means the same thing to the user
+            text = chatter.getvalue() + "\n" + str(exc)
+            lines = [line.strip() for line in text.splitlines() if "error" in line.lower()] or [type(exc).__name__]
+            raise DataError(f"{cfg.dataset} is not in the data folder {root!r} (--data-dir) and could not be "
+                            f"downloaded ({lines[-1][:160]}); download it where there is internet into that "
+                            "folder") from None
+        finally:
+            socket.setdefaulttimeout(old_timeout)
 
 
 def _imagefolder(cfg: TrainConfig):
     from torchvision import datasets, transforms as T
     size = cfg.image_size or 224
-    dirs = [os.path.join(cfg.data_dir, part) for part in ("train", "val")]
+    dirs = [os.path.join(data_dir(cfg), part) for part in ("train", "val")]
     for d in dirs:
         if not os.path.isdir(d):
             raise DataError(f"imagefolder needs {d!r} (an ImageNet layout: train/ and val/ with one folder per class)")

@@ -10,13 +10,13 @@ import datetime
 import os
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from .config import ConfigError
 from .models import checksum
 from .process import free_port, threads_per_process
 
@@ -117,6 +117,9 @@ def init_process_group(world: World, device: torch.device, timeout: float = 300.
     made it), so the caller knows not to destroy what it did not create."""
     if dist.is_initialized():
         return False
+    if device.type == "cuda" and world.local_world_size > torch.cuda.device_count():
+        raise ConfigError(f"{world.local_world_size} processes on this node but {torch.cuda.device_count()} GPU(s): "
+                          "NCCL cannot put two ranks on one GPU; start at most one process per GPU")
     rendezvous(world)
     store = meet(world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
     dist.init_process_group(dist.get_default_backend_for_device(device), store=store, rank=world.rank,

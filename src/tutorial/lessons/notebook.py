@@ -17,7 +17,7 @@ from ..core.config import TrainConfig, default_preset
 from ..core.tracking import print_table  # noqa: F401 - the notebooks' tables: notebook.print_table
 
 # The accuracy each preset reaches when training works; notebooks compare against these, not exact numbers.
-EXPECTED_ACCURACY = {"smoke": 0.95, "workshop": 0.85, "benchmark": 0.0}
+EXPECTED_ACCURACY = {"smoke": 0.95, "workshop": 0.85, "workshop-cpu": 0.0, "benchmark": 0.0}
 PACKAGE = Path(__file__).parents[1]  # src/tutorial, where the trainers are
 
 
@@ -33,6 +33,20 @@ def choose_preset(**overrides) -> TrainConfig:
     print(f"preset {cfg.preset_name} ({where}): {cfg.dataset}/{cfg.model}, batch {cfg.batch_size} per process, "
           f"{cfg.epochs} epochs, {cfg.precision}")
     return cfg
+
+
+def engine_device(n: int) -> str:
+    """The device for a lesson's n engines: "cuda" where this node has n GPUs, else "cpu", with a note when GPUs
+    exist but too few: two ranks must never share a GPU under NCCL, so such a lesson runs its ranks on the CPU
+    with gloo instead (the trainers still use the GPU wherever one process is enough)."""
+    import torch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= n:
+        return "cuda"
+    if gpus:
+        print(f"note: this lesson runs {n} ranks and this node has {gpus} GPU(s); NCCL cannot put two ranks on one "
+              f"GPU, so the {n} engines run on the CPU with gloo. Everything below works the same, only slower.")
+    return "cpu"
 
 
 def expected_accuracy(cfg: TrainConfig) -> float:

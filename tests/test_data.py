@@ -1,0 +1,71 @@
+"""Data: one data folder for notebooks and scripts, one downloader per job, and the workshop-cpu preset's data."""
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import time
+
+from conftest import PYTHON, ROOT, env
+
+from tutorial.core.config import PRESETS, TrainConfig
+from tutorial.core.data import GeneratedImages, build_datasets
+
+HOLD = """
+import os, sys, time
+from tutorial.core.data import one_downloader
+with one_downloader(sys.argv[1], "cifar10", timeout=float(sys.argv[2])):
+    print("downloading", time.time(), flush=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(sys.argv[1], "release")) and time.monotonic() < deadline:
+        time.sleep(0.1)  # "downloading" until the test says so
+"""
+
+
+def start(folder, timeout=60):
+    return subprocess.Popen([PYTHON, "-c", HOLD, str(folder), str(timeout)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
+
+
+def test_one_process_downloads_while_the_others_wait(tmp_path):
+    first = start(tmp_path)
+    assert first.stdout.readline().startswith("downloading")
+    second = start(tmp_path)
+    waiting = second.stderr.readline()
+    assert waiting.strip() == f"waiting (up to 60 s) for another process downloading cifar10 into {tmp_path}"
+    released = time.time()
+    (tmp_path / "release").touch()
+    out, _ = second.communicate(timeout=120)
+    first.communicate(timeout=60)
+    assert first.returncode == second.returncode == 0
+    assert float(out.split()[1]) >= released  # the second one got its turn only after the first had finished
+
+
+def test_the_wait_for_another_downloader_is_bounded(tmp_path):
+    with open(tmp_path / ".download.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a downloader that never finishes
+        start_time = time.monotonic()
+        proc = start(tmp_path, timeout=2)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - start_time < 60
+    assert "gave up after 2 s waiting for another process to download cifar10" in err
+
+
+def test_notebooks_and_scripts_share_one_data_folder():
+    ask = "from tutorial.core.config import TrainConfig; from tutorial.core.data import data_dir; print(data_dir(TrainConfig()))"
+    env_without = {k: v for k, v in env().items() if k != "TUTORIAL_DATA_DIR"}
+    places = {subprocess.run([PYTHON, "-c", ask], capture_output=True, text=True, cwd=cwd, env=env_without,
+                             check=True).stdout.strip() for cwd in (ROOT, ROOT / "notebooks")}
+    assert places == {str(ROOT / "data")}
+
+
+def test_workshop_cpu_takes_the_workshop_code_paths():
+    cfg, workshop = TrainConfig.preset("workshop-cpu"), PRESETS["workshop"]
+    for field in ("dataset", "model", "precision", "channels_last", "workers", "weight_decay"):
+        assert getattr(cfg, field) == workshop[field], field
+    train, test, info = build_datasets(cfg)
+    assert isinstance(train, GeneratedImages) and (info.in_channels, info.image_size) == (3, 32)
+    assert "RandomCrop" in repr(train.transform) and "RandomHorizontalFlip" in repr(train.transform)
+    assert "RandomCrop" not in repr(test.transform)
+    x, y = train[7]
+    assert x.shape == (3, 32, 32) and y == 7
+    assert not (train[7][0] == train[7][0]).all(), "augmentation: the same image comes out differently each time"
