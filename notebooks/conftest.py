@@ -1,7 +1,7 @@
 """pytest configuration for `pytest --nbval notebooks/`, typed as-is from the repository root.
 
-Strict nbval compares the stored outputs, which were made with the CPU preset (`smoke`), so that preset is pinned
-here whatever the machine; varying text (timings, throughputs) is rewritten by sanitize.cfg before comparing.
+Strict nbval compares the stored outputs, which were made on a CPU with the `smoke` preset, so both are pinned
+here whatever the machine (GPUs hidden); varying text (timings, throughputs) is rewritten by sanitize.cfg before comparing.
 `pytest --nbval-lax notebooks/` (the workshop-cpu lane of `make test`) only runs the cells and their asserts, so
 it keeps whatever TUTORIAL_PRESET the caller chose.
 """
@@ -16,6 +16,7 @@ def pytest_configure(config):
         return
     if config.option.nbval:
         os.environ["TUTORIAL_PRESET"] = STORED_OUTPUTS_PRESET
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the stored outputs were made on a CPU; a GPU changes what prints
     if not config.option.nbval_sanitize_with:
         config.option.nbval_sanitize_with = str(Path(__file__).with_name("sanitize.cfg"))
     # The kernels inherit this environment: ipyparallel's progress bars and INFO lines would make outputs vary.
