@@ -22,6 +22,7 @@ from ..core.optim import lr_at, scaled_lr
 from ..core.process import threads_per_process
 from ..launch.commands import display
 from ..launch.processes import launch, launcher_env
+from .notebook import engine_device
 
 
 # --------------------------------------------------------------------------------------- lr scaling and warm-up
@@ -180,7 +181,9 @@ def torchrun(cfg: TrainConfig, out: str, nproc: int = 2, stage: str = "ddp", tim
            "-m", f"tutorial.train_{stage}", *to_argv(cfg.replace(out=out), horovod=stage == "horovod")]
     print("$ " + display(cmd), flush=True)
     # The workers' fair share of the cores: torchrun would otherwise give each 1 thread and print a banner saying so.
-    run = launch(cmd, out=out, timeout=timeout, env=launcher_env(threads=threads_per_process(nproc), cpu=False),
+    # Where the node has fewer GPUs than workers, they run on the CPU (NCCL cannot share a GPU between ranks).
+    cpu = engine_device(nproc) == "cpu"
+    run = launch(cmd, out=out, timeout=timeout, env=launcher_env(threads=threads_per_process(nproc), cpu=cpu),
                  check=False)
     if not run.ok:  # the failed worker's own error line comes before torchrun's long summary of the failure
         raise RuntimeError(f"torchrun exited with code {run.returncodes[0]}:\n{run.outputs[0][-3000:]}")
