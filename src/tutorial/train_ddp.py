@@ -36,7 +36,7 @@ def setup(cfg: TrainConfig):
     if cfg.sync_bn and device.type != "cuda":  # DDP: SyncBatchNorm only accepts CUDA tensors
         raise ConfigError("sync-bn needs GPUs: torch's SyncBatchNorm works on CUDA tensors only")  # DDP
     tracking.prepare_output(cfg)
-    created = init_process_group(world, device, cfg.timeout)  # DDP: nccl on GPUs, gloo on CPUs; bounded wait
+    created = init_process_group(world, device, cfg.timeout, cfg.backend)  # DDP: nccl on GPUs, gloo on CPUs
     torch.manual_seed(cfg.seed)
     return device, amp, world, created  # DDP: and who we are
 

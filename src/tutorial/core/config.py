@@ -16,6 +16,7 @@ MODELS = ("cnn", "cnn_bn", "resnet18", "resnet34", "resnet50")
 PRECISIONS = ("fp32", "fp16", "bf16")
 LR_SCALINGS = ("linear", "none")
 SCHEDULES = ("cosine", "constant")
+BACKENDS = ("auto", "nccl", "gloo")
 
 
 class ConfigError(ValueError):
@@ -51,10 +52,13 @@ class TrainConfig:
     grad_accum: int = 1            # micro-batches per optimizer step
     clip_grad: float = 0.0         # clip the gradient norm to this (0: off); with fp16 it is unscaled first
     target_accuracy: float = 0.0   # stop once test accuracy reaches this (seed 001's --desired-acc); 0: off
+    patience: int = 0              # stop after this many epochs without a lower test loss (seed 000); 0: off
     precision: str = "fp32"        # fp32, fp16 (autocast + GradScaler, needs a GPU) or bf16 (autocast)
     fp16_allreduce: bool = False   # Horovod: compress gradients to fp16 for the all-reduce
+    zero_stage: int = 2            # DeepSpeed: 1 shards optimizer state, 2 also gradients, 3 also parameters; 0: off
     seed: int = 0
     timeout: float = 300.0         # seconds a rank waits for the others: at the rendezvous and in every collective
+    backend: str = "auto"          # auto: nccl on GPUs, gloo on CPUs; gloo on GPUs lets several ranks share one GPU
     # output
     out: str = ""                  # rank 0 writes metrics.json, checkpoint.pt and tb/ here ("" = nothing written)
     resume: str = ""               # "auto": continue from out/checkpoint.pt; or a checkpoint path; "": start fresh
@@ -84,7 +88,7 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         """Check values a person may get wrong; each failure is one sentence naming the value and what is allowed."""
         choices = {"dataset": DATASETS, "model": MODELS, "precision": PRECISIONS,
-                   "lr_scaling": LR_SCALINGS, "schedule": SCHEDULES}
+                   "lr_scaling": LR_SCALINGS, "schedule": SCHEDULES, "backend": BACKENDS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} {getattr(self, name)!r} is not one of: {', '.join(allowed)}")
@@ -100,6 +104,10 @@ class TrainConfig:
                 raise ConfigError(f"{name.replace('_', '-')} must be 0 or more, got {value}")
         if not self.lr > 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.patience < 0:
+            raise ConfigError(f"patience must be 0 (off) or a number of epochs, got {self.patience}")
         if not 0 <= self.target_accuracy <= 1:
             raise ConfigError(f"target-accuracy is a fraction between 0 and 1, got {self.target_accuracy}")
         if not self.timeout > 0:

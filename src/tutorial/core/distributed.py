@@ -111,19 +111,21 @@ class RendezvousTimeout(TimeoutError):
     """Not every rank arrived (or rank 0 could not be reached) within the timeout; the message names who is missing."""
 
 
-def init_process_group(world: World, device: torch.device, timeout: float = 300.0) -> bool:
-    """Join the process group (nccl on GPUs, gloo on CPUs), waiting at most `timeout` seconds for the other ranks,
-    and bounding every later collective by the same timeout. Returns False when one already existed (a %%px cell
-    made it), so the caller knows not to destroy what it did not create."""
+def init_process_group(world: World, device: torch.device, timeout: float = 300.0, backend: str = "auto") -> bool:
+    """Join the process group (backend "auto": nccl on GPUs, gloo on CPUs), waiting at most `timeout` seconds for
+    the other ranks, and bounding every later collective by the same timeout. Returns False when one already
+    existed (a %%px cell made it), so the caller knows not to destroy what it did not create."""
     if dist.is_initialized():
         return False
-    if device.type == "cuda" and world.local_world_size > torch.cuda.device_count():
+    backend = dist.get_default_backend_for_device(device) if backend == "auto" else backend
+    if backend == "nccl" and world.local_world_size > torch.cuda.device_count():
         raise ConfigError(f"{world.local_world_size} processes on this node but {torch.cuda.device_count()} GPU(s): "
-                          "NCCL cannot put two ranks on one GPU; start at most one process per GPU")
+                          "NCCL cannot put two ranks on one GPU; start at most one process per GPU, or use "
+                          "--backend gloo (slower) to share GPUs")
     rendezvous(world)
     store = meet(world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
-    dist.init_process_group(dist.get_default_backend_for_device(device), store=store, rank=world.rank,
-                            world_size=world.world_size, timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.world_size,
+                            timeout=datetime.timedelta(seconds=timeout))
     return True
 
 
