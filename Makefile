@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 # the sanitizer, so the Makefile adds nothing but the cell timeout.
 NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_TIMEOUT)
 
-.PHONY: help install lab test unit nbval notebooks slides bench doctor clean check-vars
+.PHONY: help install lab test unit nbval notebooks slides bench gpu-check doctor clean check-vars
 
 help:
 	@echo "make lab        set up if needed, then JupyterLab on notebooks/ (token auth, prints the URL)"
@@ -22,7 +22,8 @@ help:
 	@echo "make install    system MPI, .venv (pinned), Horovod (built, cached), the 'tutorial' kernel"
 	@echo "make notebooks  re-execute every notebook in place to refresh stored outputs (CPU preset)"
 	@echo "make slides     one reveal.js deck per notebook in slides/, opens offline"
-	@echo "make bench      throughput and all-reduce benchmarks, appended to results/"
+	@echo "make bench      throughput, all-reduce and trainer-vs-bare-loop benchmarks, appended to results/"
+	@echo "make gpu-check  on a GPU machine: every trainer, NCCL, Horovod+NCCL, the notebooks (workshop), ResNet-50"
 	@echo "make doctor     what is installed and whether the workbook can run here"
 
 check-vars:
@@ -55,10 +56,17 @@ notebooks: install
 slides: install
 	@bash scripts/slides.sh
 
+# The last two print and record trainer step time / hand-written loop step time for single, DDP and Horovod (issue 15).
 bench: install
 	$(BIN)/tutorial bench allreduce --backend gloo --nproc 2
 	$(BIN)/tutorial bench train --strategy ddp --nproc 2 --preset smoke
-	$(BIN)/python benchmarks/bare_loop.py --threads 1
+	$(BIN)/python benchmarks/bare_loop.py --threads 1 --stage single,ddp,horovod --nproc 2
+	$(BIN)/python benchmarks/bare_loop.py --threads 1 --stage single,ddp,horovod --nproc 2 --dataset synthetic \
+		--model resnet18 --batch-size 8 --warmup 3 --steps 10 --repeats 6
+
+# Not behind `install`: it must also run on a bare GPU machine with torch only (scripts/gpu_check.sh says how).
+gpu-check:
+	@bash scripts/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf runs slides/*.html .pytest_cache

@@ -10,10 +10,11 @@ import gc
 import importlib
 import inspect
 import os
+import shlex
 import time
 from pathlib import Path
 
-from ..core.config import TrainConfig, default_preset
+from ..core.config import TrainConfig, default_preset, parse_args
 from ..core.tracking import print_table  # noqa: F401 - the notebooks' tables: notebook.print_table
 
 # The accuracy each preset reaches when training works; notebooks compare against these, not exact numbers.
@@ -25,9 +26,11 @@ def choose_preset(**overrides) -> TrainConfig:
     """The preset for this machine (smoke on a CPU, workshop on a GPU node), or $TUTORIAL_PRESET if set.
 
     Override a field for the whole notebook by editing this cell, e.g. choose_preset(epochs=2), or by starting
-    JupyterLab with TUTORIAL_PRESET=smoke to force the CPU preset on a GPU node.
+    JupyterLab with TUTORIAL_PRESET=smoke to force the CPU preset on a GPU node. $TUTORIAL_CONFIG adds trainer
+    flags on top, e.g. "--generated 5000" (made-up CIFAR-shaped images where CIFAR-10 cannot be downloaded).
     """
-    cfg = TrainConfig.preset(default_preset(), **overrides)
+    extra = shlex.split(os.environ.get("TUTORIAL_CONFIG", ""))
+    cfg = parse_args(argv=["--preset", default_preset(), *extra]).replace(**overrides)
     import torch
     where = f"{torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "CPU only"
     print(f"preset {cfg.preset_name} ({where}): {cfg.dataset}/{cfg.model}, batch {cfg.batch_size} per process, "

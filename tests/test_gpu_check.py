@@ -1,0 +1,42 @@
+"""`make gpu-check` on a machine without a GPU: it says so in one line, lists what it would run on one, and the
+refusal it expects from NCCL on a shared GPU is real (the trainer refuses before touching a GPU)."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+from conftest import PYTHON, ROOT, env
+
+from tutorial.bench import gpucheck
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run make gpu-check itself")
+
+
+def test_without_a_gpu_it_says_so_in_one_line():
+    proc = subprocess.run(["make", "-s", "gpu-check"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and errors == [errors[0]] and "no CUDA GPU is visible" in errors[0]
+
+
+def test_it_lists_every_trainer_precision_nccl_horovod_notebooks_and_resnet50():
+    out = subprocess.run([PYTHON, "-m", "tutorial.bench.gpucheck", "--list"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300, env=env()).stdout
+    names = [line.split()[0] for line in out.splitlines()]
+    for stage in ("single", "dp"):
+        assert {f"{stage}-{p}" for p in ("fp32", "bf16", "fp16")} <= set(names)
+    assert "single-compile" in names and "ddp-nccl-1-bf16" in names
+    assert "ddp-gloo-2-ranks-on-1-gpus" in names and "ddp-nccl-shared-gpu-refused" in names
+    assert "horovod-nccl-1" in names and "resnet50-bf16-channels-last-trainer" in names
+    notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert [n for n in names if n.startswith("notebook-")] == [f"notebook-{nb}" for nb in notebooks]
+
+
+def test_the_expected_nccl_refusal_is_a_one_line_error(tmp_path):
+    check = next(c for c in gpucheck.checks(1, tmp_path) if c["name"] == "ddp-nccl-shared-gpu-refused")
+    command = check["command"]  # with the smoke preset instead of the workshop's: quick on a CPU
+    check["command"] = [a for a in command if a not in ("--preset", "--generated", "5000")]
+    check["command"] = ["--preset=smoke" if a == "workshop" else a for a in check["command"]]
+    result = gpucheck.run_check(check, timeout=240, env=dict(env(), OMP_NUM_THREADS="1"))
+    assert result["ok"], result["tail"]
+    assert result["exit_code"] not in (0, None)
