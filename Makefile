@@ -13,8 +13,12 @@ BIN := $(VENV)/bin
 # Strict nbval exactly as users type it; notebooks/conftest.py pins the preset the stored outputs were made with and
 # the sanitizer, so the Makefile adds nothing but the cell timeout.
 NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_TIMEOUT)
+# The second lane: every notebook top to bottom with the workshop preset's code paths on a CPU (workshop-cpu), every
+# assert holding, outputs not compared (they differ from the stored smoke outputs by design).
+WORKSHOP_LANE = TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax notebooks/ \
+	--nbval-cell-timeout $(NBVAL_TIMEOUT)
 
-.PHONY: help install lab test unit nbval notebooks slides bench gpu-check doctor clean check-vars
+.PHONY: help install lab test unit nbval workshop-lane notebooks slides bench gpu-check doctor clean check-vars
 
 help:
 	@echo "make lab        set up if needed, then JupyterLab on notebooks/ (token auth, prints the URL)"
@@ -48,7 +52,11 @@ nbval: install
 test: install
 	$(BIN)/python -m pytest tests
 	$(NBVAL)
+	$(WORKSHOP_LANE)
 	@bash scripts/check_leftovers.sh
+
+workshop-lane: install
+	$(WORKSHOP_LANE)
 
 notebooks: install
 	@bash scripts/run_notebooks.sh
