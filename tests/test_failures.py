@@ -171,3 +171,12 @@ def test_exercise_2_checker_accepts_the_solution_and_explains_the_shapes(cluster
     assert failures.check_gather(cluster, failures.solution_gather_all).startswith("correct: every rank has all 5")
     verdict = failures.check_gather(cluster, skeleton("### Exercise 2"))
     assert verdict.startswith("wrong: rank 0:") and "gather the sizes first" in verdict
+
+
+def test_a_diverged_loss_stops_the_run_naming_rank_and_step():
+    proc = run(train_cmd("single", "--preset", "smoke", "--lr", "1e5", "--warmup-epochs", "0", "--log-every", "1"),
+               check=False)
+    assert proc.returncode == 1
+    line = one_error_line(proc)
+    assert line.startswith("error: rank 0: the training loss is nan at step ") or "loss is inf" in line
+    assert "lower --lr" in line

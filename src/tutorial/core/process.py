@@ -47,7 +47,7 @@ def run_main(main, cfg) -> None:
         main(cfg)
     except ConfigError as exc:
         fail(exc)
-    except TimeoutError as exc:  # a rank that never arrived: say who, rather than a traceback from inside torch
+    except (TimeoutError, FloatingPointError) as exc:  # a missing rank, a diverged loss: who and where, in a line
         fail(exc, code=1)
     exit_process(0)  # not a plain return: see exit_process for the gloo thread that can abort a finished run
 

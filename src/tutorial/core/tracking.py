@@ -7,6 +7,7 @@ eight writers on one file corrupt it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -55,6 +56,17 @@ def print_table(rows: list[dict], floatfmt: str = ".3g") -> None:
         print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 
+class DivergedError(FloatingPointError):
+    """The loss became NaN or infinite: one line naming the rank and step (exit code 1)."""
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
+
+
 class RunLog:
     """Collects per-epoch metrics; on the main process also prints, draws the bar and writes files."""
 
@@ -86,11 +98,20 @@ class RunLog:
         return tqdm(batches, desc=f"epoch {epoch}", total=len(loader), leave=False)
 
     def step(self, step: int, loss: torch.Tensor, lr: float, loss_scale: float) -> None:
-        """Step scalars every log_every steps (loss.item() waits for the GPU, so not every step)."""
+        """Step scalars every log_every steps (loss.item() waits for the GPU, so not every step); a loss that has
+        become NaN or infinite stops the run there, on the rank that saw it, instead of training on garbage."""
         if self.timer:
             self.timer.step()
-        if self.writer and step % self.cfg.log_every == 0:
-            self.writer.add_scalar("train/loss", loss.item(), step)
+        if step % self.cfg.log_every:
+            return
+        value = loss.item()
+        # fp16 is exempt: GradScaler skips the steps whose gradients overflow, and the run recovers by itself.
+        if not math.isfinite(value) and self.cfg.precision != "fp16":
+            raise DivergedError(f"rank {_rank()}: the training loss is {value} at step {step} (lr {lr:.3g}; checked "
+                                f"every {self.cfg.log_every} steps): lower --lr, add --warmup-epochs or "
+                                "--clip-grad, and resume from the last checkpoint")
+        if self.writer:
+            self.writer.add_scalar("train/loss", value, step)
             self.writer.add_scalar("train/lr", lr, step)
             self.writer.add_scalar("train/loss_scale", loss_scale, step)
 
