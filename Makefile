@@ -25,7 +25,7 @@ help:
 	@echo "make test       set up if needed, then unit tests and pytest --nbval notebooks/"
 	@echo "make install    system MPI, .venv (pinned), Horovod (built, cached), the 'tutorial' kernel"
 	@echo "make notebooks  re-execute every notebook in place to refresh stored outputs (CPU preset)"
-	@echo "make slides     one reveal.js deck per notebook in slides/, opens offline"
+	@echo "make slides     one reveal.js deck per notebook in slides/: speaker notes, fits the screen, opens offline"
 	@echo "make bench      throughput, all-reduce and trainer-vs-bare-loop benchmarks, appended to results/"
 	@echo "make gpu-check  on a GPU machine: every trainer, NCCL, Horovod+NCCL, the notebooks (workshop), ResNet-50"
 	@echo "make doctor     what is installed and whether the workbook can run here"
