@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make install`: everything the workbook needs, idempotent (seconds when all is there).
-#   1. system packages: Open MPI with headers, cmake, a C++ compiler (apt, when root and missing)
+#   1. system packages: Open MPI with headers, cmake, a C++ compiler; npm and chromium for the slides (apt, when root
+#      and missing)
 #   2. .venv with the pinned requirements.txt (re-run only when requirements.txt changes)
 #   3. the tutorial package, editable
 #   4. Horovod, built from source by scripts/install_horovod.sh (cached wheel)
@@ -30,6 +31,20 @@ if ((${#missing[@]})); then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
     die "missing ${missing[*]}: install them (sudo apt-get install ${missing[*]}), or load your site's MPI, cmake and compiler modules"
+  fi
+fi
+# For the slides only: npm fetches reveal.js once (`make slides`), Debian's chromium renders every deck headless
+# (tests/test_slides.py; about a minute to install). Without root the rest still installs, and the test is skipped.
+slides=()
+command -v npm >/dev/null || slides+=(nodejs npm)
+command -v chromium >/dev/null || slides+=(chromium)
+if ((${#slides[@]})); then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    say "apt-get install ${slides[*]} (slides and their browser test)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${slides[@]}" >/dev/null
+  else
+    say "note: ${slides[*]} missing: make slides and its browser test need them (sudo apt-get install ${slides[*]})"
   fi
 fi
 
