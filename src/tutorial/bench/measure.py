@@ -113,6 +113,12 @@ def launch_horovod(fn, job: dict, nproc: int, timeout: float = 900, verbose: boo
 
 
 def _horovod_rank(fn, job: dict, nproc: int, timeout: float):
+    # horovod.run (0.28.1) exports HOROVOD_CYCLE_TIME and HOROVOD_CACHE_CAPACITY as "(None,)", a stray comma in
+    # horovod/runner/__init__.py. Read as 0, the background thread polls without pause (half a core per rank, taken
+    # from training on a small machine) and the response cache is off. Unset, Horovod uses its defaults, as horovodrun.
+    for key in ("HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY"):
+        if os.environ.get(key) == "(None,)":
+            del os.environ[key]
     import horovod.torch as hvd
     hvd.init()
     return _run_rank(fn, job, hvd.rank(), nproc, timeout)
