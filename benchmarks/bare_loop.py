@@ -1,17 +1,20 @@
-"""A bare PyTorch training loop: the yardstick for the trainers' overhead (notebook 07_scaling_study).
+"""Bare PyTorch training loops: the yardsticks for the trainers' overhead (notebook 07_scaling_study, issue 15).
 
 `bare_loop()` uses no package code: a hand-written copy of the small CNN (or a torchvision ResNet), random images
-shaped like the preset's data, a DataLoader and SGD, the few lines everyone writes first. Run as a script, it times
-this loop and `tutorial.train_single` on the same model, data, batch and threads, alternately in one process (so a
-busy neighbour slows both alike), and appends the ratio of their step times to results/overhead.jsonl.
-The goal: trainer step time <= 1.03 x the bare loop's.
+shaped like the preset's data, a DataLoader and SGD, the few lines everyone writes first; with stage="ddp" or
+"horovod" also the few lines each of those adds (tagged as in the trainers), the shortest correct loop of that stage.
+Run as a script, it times these loops and the trainer of the same stage (`tutorial.train_<stage>`) on the same model,
+data, batch and threads, alternately (ABBA) in the same processes, so a busy neighbour slows both alike, and appends
+the ratio of their step times to results/overhead.jsonl. The goal: trainer step time <= 1.03 x the bare loop's.
 
-    python benchmarks/bare_loop.py                          # smoke preset: cnn, 1x8x8 digits-shaped images, batch 32
-    python benchmarks/bare_loop.py --image-size 32          # a larger step, where fixed costs weigh less
+    python benchmarks/bare_loop.py --threads 1                      # smoke: cnn, 1x8x8 digits-shaped images, batch 32
+    python benchmarks/bare_loop.py --threads 1 --stage single,ddp,horovod --nproc 2
+    python benchmarks/bare_loop.py --threads 1 --stage ddp,horovod --dataset synthetic --model resnet18 --batch-size 8
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -19,9 +22,10 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 OVERHEAD_GOAL = 1.03  # trainer step time / bare loop step time
+
 
 class RandomImages(Dataset):
     """What the package's synthetic data is: 16 fixed random images, cycled, with labels i % classes."""
@@ -56,19 +60,38 @@ def make_model(name, channels, classes, image_size):
     return model
 
 
-def bare_loop(model="cnn", channels=1, classes=10, image_size=8, batch_size=32, lr=0.05, momentum=0.9,
-              weight_decay=0.0, precision="fp32", channels_last=False, warmup=20, steps=200, seed=0):
+def bare_loop(stage="single", model="cnn", channels=1, classes=10, image_size=8, batch_size=32, lr=0.05,
+              momentum=0.9, weight_decay=0.0, precision="fp32", channels_last=False, warmup=20, steps=200, seed=0):
     """(wall seconds, CPU seconds) of each step after the first `warmup` steps. The process's CPU seconds (CPU
-    only; None on a GPU) do not count the time other programs had the cores."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    only; None on a GPU) do not count the time other programs had the cores. stage "ddp" runs in the process
+    group (joined from torchrun's variables unless one exists), "horovod" after hvd.init()."""
+    rank, size, local_rank = 0, 1, 0
+    if stage == "ddp":  # DDP
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        rank, size, local_rank = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
+    if stage == "horovod":  # Horovod
+        import horovod.torch as hvd
+        hvd.init()
+        rank, size, local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if torch.cuda.is_available() \
+        else torch.device("cpu")
     torch.manual_seed(seed)
-    data = RandomImages((warmup + steps + 1) * batch_size, channels, classes, image_size)
-    loader = DataLoader(data, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed),
-                        pin_memory=device.type == "cuda")
+    data = RandomImages((warmup + steps + 1) * batch_size * size, channels, classes, image_size)
+    sampler = RandomSampler(data, generator=torch.Generator().manual_seed(seed)) if stage == "single" \
+        else DistributedSampler(data, size, rank, seed=seed)  # DDP, Horovod: each rank its share
+    loader = DataLoader(data, batch_size=batch_size, sampler=sampler, pin_memory=device.type == "cuda")
     net = make_model(model, channels, classes, image_size).to(device)
     if channels_last:
         net = net.to(memory_format=torch.channels_last)
+    if stage == "ddp":  # DDP
+        net = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if stage == "horovod":  # Horovod
+        hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=net.named_parameters())
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
@@ -88,7 +111,12 @@ def bare_loop(model="cnn", channels=1, classes=10, image_size=8, batch_size=32, 
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             loss = F.cross_entropy(net(X), y)
         scaler.scale(loss).backward()
-        scaler.step(optimizer)
+        if stage == "horovod" and scaler.is_enabled():  # Horovod: fp16 unscales the averaged gradients
+            optimizer.synchronize()
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+        else:
+            scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
         stamps.append(stamp())
@@ -104,92 +132,127 @@ def bare_loop(model="cnn", channels=1, classes=10, image_size=8, batch_size=32, 
 # --------------------------------------------------------------------- the comparison (this part uses the package)
 def compare(argv=None) -> int:
     from tutorial import bench
-    from tutorial.core.config import ConfigError, TrainConfig
+    from tutorial.core.config import DATASETS, ConfigError, TrainConfig
     from tutorial.core.data import SHAPES
 
-    parser = argparse.ArgumentParser(description="Trainer step time / bare loop step time, appended to "
+    parser = argparse.ArgumentParser(description="Trainer step time / bare loop step time, per stage, appended to "
                                                  "results/overhead.jsonl.")
+    parser.add_argument("--stage", default="single", help="comma-separated: single, ddp, horovod (default single)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes of the ddp and horovod stages (default 2)")
     parser.add_argument("--preset", default="smoke", help="model, batch, lr and data shape (default smoke)")
+    parser.add_argument("--dataset", choices=DATASETS, help="whose image shape (default: the preset's)")
     parser.add_argument("--model", help="default: the preset's")
-    parser.add_argument("--batch-size", type=int, help="default: the preset's")
-    parser.add_argument("--image-size", type=int, help="default: the preset dataset's")
+    parser.add_argument("--batch-size", type=int, help="per process; default: the preset's")
+    parser.add_argument("--image-size", type=int, help="default: the dataset's")
     parser.add_argument("--precision", help="default: the preset's")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per process (default: the cores "
+                                                               "shared out)")
     parser.add_argument("--warmup", type=int, default=20, help="steps left out at the start (default 20)")
     parser.add_argument("--steps", type=int, default=100, help="measured steps per run (default 100)")
     parser.add_argument("--repeats", type=int, default=10, help="runs of each, alternating (default 10)")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds all runs of one stage may take")
     parser.add_argument("--results-dir", default="results")
     args = parser.parse_args(argv)
+    # The launched processes import this file as the module bare_loop (cloudpickle, which horovod.run uses, would
+    # copy a function of __main__ with everything it refers to).
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    import bare_loop as this
+    stages = [s.strip() for s in args.stage.split(",") if s.strip()]
     try:
-        if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
-            raise ConfigError("--steps and --repeats must be at least 1, --warmup 0 or more")
-        overrides = {k: v for k, v in dict(model=args.model, batch_size=args.batch_size, image_size=args.image_size,
-                                             precision=args.precision).items() if v is not None}
+        if args.steps < 1 or args.repeats < 1 or args.warmup < 0 or args.threads < 0:
+            raise ConfigError("--steps and --repeats must be at least 1, --warmup and --threads 0 or more")
+        if not stages or set(stages) - {"single", "ddp", "horovod"}:
+            raise ConfigError(f"--stage {args.stage!r}: choose from single, ddp, horovod")
+        overrides = {k: v for k, v in dict(dataset=args.dataset, model=args.model, batch_size=args.batch_size,
+                                           image_size=args.image_size, precision=args.precision).items()
+                     if v is not None}
         cfg = TrainConfig.preset(args.preset, synthetic=True, **overrides)
         if cfg.model == "cnn_bn" or cfg.grad_accum != 1 or cfg.clip_grad:
             raise ConfigError("the bare loop has no BatchNorm CNN, gradient accumulation or clipping")
+        for stage in stages:
+            nproc = 1 if stage == "single" else args.nproc
+            if nproc > bench.available_processes("gloo")[0] or nproc < 1:
+                raise ConfigError(f"--nproc {nproc} is not between 1 and the processes this machine fits")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    shape = SHAPES[cfg.dataset]
-    channels, classes, size = shape.in_channels, shape.num_classes, cfg.image_size or shape.image_size
+    info = SHAPES[cfg.dataset]
+    size = cfg.image_size or info.image_size
     # The trainer's lr schedule at a constant peak does the same arithmetic; warm-up epochs do not change the cost.
-    shape = dict(model=cfg.model, channels=channels, classes=classes, image_size=size, batch_size=cfg.batch_size,
-                 lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, precision=cfg.precision,
-                 channels_last=cfg.channels_last)
-    # Per run: the median step time (what a step costs; a step the OS preempted does not move it) and the mean
-    # (what throughput sees). The ratio of medians is the overhead; the ratio of means is recorded beside it.
-    # With one thread, the process's CPU time per step is what the step's code costs, however busy the machine.
-    bare, trainer, bare_mean, trainer_mean, bare_cpu, trainer_cpu = [], [], [], [], [], []
-    for i in range(args.repeats):
-        # ABBA order: a slow drift of the machine's load hits both sides equally.
-        order = ("bare", "trainer") if i % 2 == 0 else ("trainer", "bare")
-        for which in order:
-            if which == "bare":
-                steps, cpu = bare_loop(**shape, warmup=args.warmup, steps=args.steps)
-                side = (bare, bare_mean, bare_cpu)
-            else:
-                run = bench.measure_run("single", cfg, args.warmup, args.steps)
-                steps, cpu, side = run["seconds"], run["cpu_seconds"], (trainer, trainer_mean, trainer_cpu)
-            side[0].append(statistics.median(steps)), side[1].append(statistics.mean(steps))
-            if cpu:
-                side[2].append(statistics.median(cpu))
-        print(f"run {i + 1}/{args.repeats}: median step: bare {bare[-1] * 1000:.3f} ms  trainer "
-              f"{trainer[-1] * 1000:.3f} ms  ratio {trainer[-1] / bare[-1]:.3f}", flush=True)
-    ratios = [t / b for t, b in zip(trainer, bare)]
-    mean_ratios = [t / b for t, b in zip(trainer_mean, bare_mean)]
-    cpu_ratios = [t / b for t, b in zip(trainer_cpu, bare_cpu) if b > 0]
-    ratio = statistics.median(ratios)
-    verdict = "meets" if ratio <= OVERHEAD_GOAL else "misses"
-    print(f"\n{cfg.model} {channels}x{size}x{size}, batch {cfg.batch_size}, {cfg.precision}, "
-          f"{torch.get_num_threads()} threads, {'cuda' if torch.cuda.is_available() else 'cpu'}")
-    print(f"bare loop  {statistics.median(bare) * 1000:.3f} ms/step (median step, median of runs)")
-    print(f"trainer    {statistics.median(trainer) * 1000:.3f} ms/step")
-    print(f"ratio      {ratio:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}): {verdict} the goal "
-          f"<= {OVERHEAD_GOAL}; ratio of mean step times {statistics.median(mean_ratios):.3f}")
-    if cpu_ratios:
-        note = "" if torch.get_num_threads() == 1 else " (several threads: CPU time adds theirs up, spinning included)"
-        print(f"CPU time   bare {statistics.median(bare_cpu) * 1000:.3f} ms/step, trainer "
-              f"{statistics.median(trainer_cpu) * 1000:.3f} ms/step, ratio {statistics.median(cpu_ratios):.3f} "
-              f"(min {min(cpu_ratios):.3f}, max {max(cpu_ratios):.3f}){note}")
-    params = dict(shape, trainer="single", preset=cfg.preset_name, threads=torch.get_num_threads(),
-                  device="cuda" if torch.cuda.is_available() else "cpu", warmup_steps=args.warmup,
-                  measured_steps=args.steps, repeats=args.repeats, order="ABBA, one process")
-    path = bench.append_result(args.results_dir, "overhead", ["python", "benchmarks/bare_loop.py", *(argv or [])],
-                               params, dict(ratio=bench.summary(ratios), bare_step_seconds=bench.summary(bare),
-                                            trainer_step_seconds=bench.summary(trainer),
-                                            ratio_of_means=bench.summary(mean_ratios),
-                                            bare_mean_step_seconds=bench.summary(bare_mean),
-                                            trainer_mean_step_seconds=bench.summary(trainer_mean),
-                                            **(dict(cpu_time_ratio=bench.summary(cpu_ratios),
-                                                    bare_cpu_step_seconds=bench.summary(bare_cpu),
-                                                    trainer_cpu_step_seconds=bench.summary(trainer_cpu))
-                                               if cpu_ratios else {}),
-                                            goal=OVERHEAD_GOAL, meets_goal=ratio <= OVERHEAD_GOAL))
+    shape = dict(model=cfg.model, channels=info.in_channels, classes=info.num_classes, image_size=size,
+                 batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                 precision=cfg.precision, channels_last=cfg.channels_last)
+    summary_lines = []
+    for stage in stages:
+        nproc = 1 if stage == "single" else args.nproc
+        job = dict(stage=stage, cfg=cfg.to_dict(), shape=shape, warmup=args.warmup, steps=args.steps,
+                   repeats=args.repeats, threads=args.threads)
+        launch = bench.launch_horovod if stage == "horovod" else bench.launch
+        print(f"{stage}: {args.repeats} runs of each, alternating, in {nproc} process(es)", flush=True)
+        sides = launch(this._pairs, job, nproc, args.timeout)
+        # Per run: the median step time (what a step costs; a step the OS preempted does not move it), the mean (what
+        # throughput sees) and the fastest step (what a step costs when nothing else runs: the steadiest on a busy
+        # machine). The ratio of medians is the overhead; the others are recorded beside it. With one thread, the
+        # process's CPU time per step is what the step's code costs (plus the launcher's threads, e.g. Horovod's).
+        ratio = {key: [t / b for t, b in zip(sides["trainer"][key], sides["bare"][key]) if b]
+                 for key in ("median", "mean", "fastest", "cpu")}
+        r = statistics.median(ratio["median"])
+        line = (f"{stage:8s} x{nproc}: trainer {statistics.median(sides['trainer']['median']) * 1000:.3f} ms/step, "
+                f"bare {statistics.median(sides['bare']['median']) * 1000:.3f} ms/step, ratio {r:.3f} "
+                f"[{min(ratio['median']):.3f}-{max(ratio['median']):.3f}] over {args.repeats} ABBA runs, fastest-step "
+                f"ratio {statistics.median(ratio['fastest']):.3f}"
+                + (f", CPU-time ratio {statistics.median(ratio['cpu']):.3f}" if ratio["cpu"] else "")
+                + f": {'meets' if r <= OVERHEAD_GOAL else 'misses'} <= {OVERHEAD_GOAL}")
+        print(line, flush=True)
+        summary_lines.append(line)
+        params = dict(shape, trainer=stage, nproc=nproc, preset=cfg.preset_name, dataset=cfg.dataset,
+                      threads=sides["threads"], device="cuda" if torch.cuda.is_available() else "cpu",
+                      warmup_steps=args.warmup, measured_steps=args.steps, repeats=args.repeats,
+                      order=f"ABBA in the same {nproc} process(es); rank 0's step times")
+        results = dict(ratio=bench.summary(ratio["median"]), ratio_of_means=bench.summary(ratio["mean"]),
+                       fastest_step_ratio=bench.summary(ratio["fastest"]), goal=OVERHEAD_GOAL,
+                       meets_goal=r <= OVERHEAD_GOAL,
+                       **{f"{side}_{key}_step_seconds": bench.summary(sides[side][key]) for side in ("bare", "trainer")
+                          for key in ("median", "mean", "fastest", "cpu") if sides[side][key]})
+        if ratio["cpu"]:
+            results["cpu_time_ratio"] = bench.summary(ratio["cpu"])
+        path = bench.append_result(args.results_dir, "overhead",
+                                   ["python", "benchmarks/bare_loop.py", *(argv or [])], params, results)
+    print(f"\n{cfg.model} {info.in_channels}x{size}x{size}, batch {cfg.batch_size} per process, {cfg.precision}, "
+          f"{sides['threads']} thread(s) per process, {'cuda' if torch.cuda.is_available() else 'cpu'}")
+    print("\n".join(summary_lines))
     print(f"appended to {path}")
     return 0
+
+
+def _pairs(job: dict, rank: int, nproc: int) -> dict:
+    """In every process of a stage: the bare loop and the trainer alternately (ABBA: a slow drift of the machine's
+    load hits both alike), in the same processes and process group. Rank 0's step times are returned."""
+    from tutorial import bench
+    from tutorial.core.config import TrainConfig
+    stage, cfg = job["stage"], TrainConfig(**job["cfg"])
+    if stage == "ddp":  # one process group for both sides, so that neither creates or destroys it
+        import torch.distributed as dist
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    sides = {side: dict(median=[], mean=[], fastest=[], cpu=[]) for side in ("bare", "trainer")}
+    for i in range(job["repeats"]):
+        for side in ("bare", "trainer") if i % 2 == 0 else ("trainer", "bare"):
+            if side == "bare":
+                seconds, cpu = bare_loop(stage, **job["shape"], warmup=job["warmup"], steps=job["steps"])
+            else:
+                run = bench.measure_run(stage, cfg, job["warmup"], job["steps"])
+                seconds, cpu = run["seconds"], run["cpu_seconds"]
+            sides[side]["median"].append(statistics.median(seconds))
+            sides[side]["mean"].append(statistics.mean(seconds))
+            sides[side]["fastest"].append(min(seconds))
+            if cpu:
+                sides[side]["cpu"].append(statistics.median(cpu))
+        if rank == 0:
+            print(f"  run {i + 1}/{job['repeats']}: median step: bare {sides['bare']['median'][-1] * 1000:.3f} ms  "
+                  f"trainer {sides['trainer']['median'][-1] * 1000:.3f} ms", flush=True)
+    return dict(sides, threads=torch.get_num_threads())
 
 
 if __name__ == "__main__":

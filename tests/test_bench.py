@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import ROOT, env
+from conftest import ROOT, env, needs_horovod
 from tutorial import bench
 from tutorial.core import tracking
 from tutorial.core.config import TrainConfig
@@ -139,6 +139,23 @@ def test_bare_loop_runs_the_package_model_without_package_code():
     seconds, cpu_seconds = bare.bare_loop(warmup=1, steps=3)
     assert len(seconds) == 3 and all(s > 0 for s in seconds)
     assert cpu_seconds is None or len(cpu_seconds) == 3
+
+
+@needs_horovod
+def test_overhead_comparison_records_a_ratio_per_stage(tmp_path):
+    """The reference loops of all three stages run (DDP and Horovod in 2 processes, alternated with their trainers)
+    and each stage gets one overhead line."""
+    proc = subprocess.run([sys.executable, "benchmarks/bare_loop.py", "--stage", "single,ddp,horovod", "--nproc", "2",
+                           "--threads", "1", "--warmup", "1", "--steps", "3", "--repeats", "1",
+                           "--results-dir", tmp_path], capture_output=True, text=True, timeout=300, env=env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = bench.read_results(tmp_path / "overhead.jsonl")
+    assert [line["parameters"]["trainer"] for line in lines] == ["single", "ddp", "horovod"]
+    assert [line["parameters"]["nproc"] for line in lines] == [1, 2, 2]
+    for line in lines:
+        check_line(line, "overhead")
+        check_summary(line["results"]["ratio"])
+        assert line["results"]["ratio"]["median"] > 0 and line["parameters"]["threads"] == 1
 
 
 # -------------------------------------------------------------------------------------------------- bad input
