@@ -2,7 +2,7 @@
 # `make install`: everything the workbook needs, idempotent (seconds when all is there).
 #   1. system packages: Open MPI with headers, cmake, a C++ compiler; npm and chromium for the slides (apt, when root
 #      and missing)
-#   2. .venv with the pinned requirements.txt (re-run only when requirements.txt changes)
+#   2. .venv with the pinned requirements.txt (re-run only when requirements.txt changes), DeepSpeed on its own
 #   3. the tutorial package, editable
 #   4. Horovod, built from source by scripts/install_horovod.sh (cached wheel)
 #   5. a Jupyter kernel "tutorial" registered inside the venv, used by JupyterLab and nbval
@@ -57,11 +57,22 @@ want=$(sha256sum requirements.txt | cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   say "installing requirements.txt into $VENV (torch is a few GB the first time)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -r requirements.txt
+  # Everything but DeepSpeed, whose build must see this torch (below).
+  "$VENV/bin/python" -m pip install -q -r <(grep -v '^deepspeed==' requirements.txt)
   # PyPI's torchvision is built against a CUDA torch; a mismatched torch fails here rather than in a notebook.
   "$VENV/bin/python" -c 'import torch, torchvision; torchvision.ops.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)' \
     || die "torch and torchvision do not work together; check the pair pinned in requirements.txt"
   echo "$want" > "$stamp"
+fi
+
+# DeepSpeed: a source archive whose setup.py imports torch. --no-build-isolation lets it see the venv's torch (an
+# isolated build sees none); DS_BUILD_OPS=0 precompiles no C++/CUDA op (they are JIT-compiled if ever used);
+# --no-deps because its needs are pinned in requirements.txt and installed above.
+deepspeed=$(sed -n 's/^deepspeed==\([^ #]*\).*/\1/p' requirements.txt)
+if [[ -n $deepspeed && $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("deepspeed"))' 2>/dev/null) != "$deepspeed" ]]; then
+  say "installing deepspeed==$deepspeed (built against this torch, no precompiled ops)"
+  DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps --no-cache-dir "deepspeed==$deepspeed"
+  DS_ACCELERATOR=cpu "$VENV/bin/python" -c 'import deepspeed' || die "deepspeed==$deepspeed does not import; see the output above"
 fi
 
 # 3. the package

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import platform
 import re
 import shutil
@@ -118,8 +119,10 @@ def doctor_rows():
                                 f"tensor ops {'+'.join(ops)}", fix))
     else:
         rows.append(("horovod", err, "bash scripts/install_horovod.sh (or 'make install')"))
+    # 08_lightning and 09_sharded_training; DeepSpeed picks its accelerator at import (guessing, with a warning).
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if n else "cpu")
     for module, label in (("ipyparallel", "ipyparallel"), ("nbval", "nbval"), ("tensorboard", "tensorboard"),
-                          ("jupyterlab", "jupyterlab")):
+                          ("jupyterlab", "jupyterlab"), ("lightning", "lightning"), ("deepspeed", "deepspeed")):
         mod, err = _version(module)
         rows.append((label, getattr(mod, "__version__", "?") if mod else err, None if mod else reinstall))
     return rows

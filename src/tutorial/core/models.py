@@ -53,8 +53,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def parameter_vector(model: nn.Module) -> torch.Tensor:
-    """All parameters as one flat fp32 CPU vector, for comparing runs."""
-    return torch.cat([p.detach().float().reshape(-1).cpu() for p in unwrap(model).parameters()])
+    """All parameters as one flat fp32 CPU vector, for comparing runs. FSDP's sharded parameters (DTensors) are
+    gathered whole first, so call it on every rank."""
+    return torch.cat([getattr(p, "full_tensor", p.detach)().detach().float().reshape(-1).cpu()
+                      for p in unwrap(model).parameters()])
 
 
 def checksum(model: nn.Module) -> str:

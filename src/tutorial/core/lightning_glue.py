@@ -1,0 +1,94 @@
+"""Lightning plumbing for train_lightning.py (08_lightning): where the ranks come from, and the run records every
+trainer writes. Infrastructure, not the lesson: the notebook shows the LightningModule and the Trainer."""
+from __future__ import annotations
+
+import os
+import time
+
+import lightning as L
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch.strategies import DDPStrategy
+
+
+class Launcher(ClusterEnvironment):
+    """Who am I, from the same world_from_env as every trainer: torchrun, mpirun, srun, PALS or the notebook
+    engines started the processes (Lightning must not start any), and the process group already exists."""
+
+    def __init__(self, world):
+        super().__init__()
+        self.world = world
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return os.environ["MASTER_ADDR"]
+
+    @property
+    def main_port(self) -> int:
+        return int(os.environ["MASTER_PORT"])
+
+    @staticmethod
+    def detect() -> bool:
+        return True
+
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    def global_rank(self) -> int:
+        return self.world.rank
+
+    def local_rank(self) -> int:
+        return self.world.local_rank
+
+    def node_rank(self) -> int:
+        return self.world.rank // self.world.local_world_size
+
+    def set_world_size(self, size: int) -> None:
+        pass  # fixed by the launcher
+
+    def set_global_rank(self, rank: int) -> None:
+        pass
+
+
+class RunRecord(L.Callback):
+    """The metrics.json, TensorBoard scalars and console lines of every other trainer, from Lightning's hooks
+    (RunLog writes on rank 0 only). Its history travels in Lightning's checkpoint, so a resumed run keeps it."""
+
+    def __init__(self, log, world_size: int):
+        self.run_log, self.world_size = log, world_size
+
+    def on_train_epoch_start(self, trainer, module):
+        self.start, self.samples, self.seconds = time.perf_counter(), 0, None
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.samples += len(batch[1])
+        self.run_log.step(trainer.global_step, outputs["loss"], trainer.optimizers[0].param_groups[0]["lr"], 1.0)
+
+    def on_validation_epoch_start(self, trainer, module):
+        if self.seconds is None and trainer.training:  # the epoch's training ends where its evaluation begins
+            self.seconds = time.perf_counter() - self.start
+
+    def on_train_epoch_end(self, trainer, module):
+        m, seconds = trainer.callback_metrics, self.seconds or time.perf_counter() - self.start
+        self.run_log.epoch(dict(epoch=trainer.current_epoch, train_loss=m["train_loss"].item(),
+                            test_loss=m["test_loss"].item(), test_accuracy=m["test_accuracy"].item(),
+                            samples_per_second=self.samples * self.world_size / seconds, epoch_seconds=seconds,
+                            lr=trainer.optimizers[0].param_groups[0]["lr"], skipped_steps=0), trainer.global_step)
+
+    def state_dict(self):
+        return {"history": self.run_log.metrics["epochs"]}
+
+    def load_state_dict(self, state):
+        self.run_log.metrics["epochs"][:] = state["history"]
+
+
+class LaunchedDDP(DDPStrategy):
+    """DDP over processes that a launcher or the notebook engines started. Lightning's DDPStrategy always prepares
+    its own script launcher, which refuses to run where Python is interactive (the engines are IPython kernels);
+    with processes started elsewhere there is nothing for it to launch."""
+
+    def _configure_launcher(self) -> None:
+        self._launcher = None

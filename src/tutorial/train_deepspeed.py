@@ -1,0 +1,169 @@
+"""Stage 9: DeepSpeed ZeRO, optimizer state, gradients and parameters sharded over ranks (09_sharded_training).
+
+train_single.py plus the lines tagged "# DeepSpeed:" (many of them are train_ddp.py's). Launch it with any of:
+
+    torchrun --standalone --nproc_per_node 2 -m tutorial.train_deepspeed --preset smoke --zero-stage 3 --out runs/ds
+    deepspeed --num_gpus 8 --no_local_rank --module tutorial.train_deepspeed --preset workshop  (its launcher)
+    mpirun -np 2 python -m tutorial.train_deepspeed --preset smoke       (also mpiexec/PALS, srun)
+    tutorial.launch.engines.start(n=2).run(tutorial.train_deepspeed.main, cfg)  (ipyparallel engines, from a notebook)
+
+--zero-stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters; 0 is plain data parallel.
+"""
+from __future__ import annotations
+
+import os  # DeepSpeed
+import time
+import warnings  # DeepSpeed
+
+import torch
+import torch.distributed as dist  # DeepSpeed
+import torch.nn.functional as F
+from torch.utils.data.distributed import DistributedSampler  # DeepSpeed
+
+# DeepSpeed: it picks its accelerator when imported; without a GPU it would guess, with a warning.
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+import deepspeed  # noqa: E402  # DeepSpeed
+
+# DeepSpeed: it calls collectives that torch 2.14 renamed, and torch would say so on every step.
+warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
+
+from .core import sharded_checkpoint, tracking  # DeepSpeed: every rank writes its partitions
+from .core.config import ConfigError, TrainConfig, parse_args  # DeepSpeed: ConfigError
+from .core.data import build_datasets, make_loader
+from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # DeepSpeed
+                               replica_checksums, teardown, world_from_env)  # DeepSpeed
+from .core.models import build_model  # DeepSpeed: the ranks' digests come from core.distributed
+from .core.optim import build_optimizer, lr_at, scaled_lr, set_lr  # DeepSpeed: scaled_lr
+from .core.precision import Precision
+from .core.process import run_main
+
+
+def setup(cfg: TrainConfig):
+    """The device, the precision policy and the seed; bad options fail here, before any work."""
+    world = world_from_env()  # DeepSpeed: rank, local_rank, world_size from torchrun, deepspeed, MPI, Slurm, engines
+    device = pick_device(world.local_rank, world.local_world_size)  # DeepSpeed: one GPU per process, by local rank
+    amp = Precision(cfg.precision, device)
+    if cfg.sync_bn:  # DeepSpeed: SyncBatchNorm is a DDP option here
+        raise ConfigError("sync-bn is not supported by train_deepspeed; use train_ddp for SyncBatchNorm")  # DeepSpeed
+    tracking.prepare_output(cfg)
+    # DeepSpeed: our bounded rendezvous for every launcher (not DeepSpeed's MPI discovery, which takes the first
+    # DeepSpeed: address of `hostname -I` for rank 0: seed 003's wrong-interface hang); DeepSpeed adopts the group.
+    created = init_process_group(world, device, cfg.timeout, cfg.backend)
+    if device.type == "cpu":  # DeepSpeed: its shared-memory all-reduce serves CPU inference and compiles for minutes
+        deepspeed.ops.__dict__.setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False  # DeepSpeed
+    os.environ.setdefault("LOCAL_RANK", str(world.local_rank))  # DeepSpeed: reads it itself (srun, mpich, alone)
+    if created:  # DeepSpeed: a group it cloned from an earlier process group here (notebook engines) is gone
+        deepspeed.utils.groups._WORLD_GROUP = None  # DeepSpeed
+    deepspeed.init_distributed(dist_backend=dist.get_backend())  # DeepSpeed: nccl on GPUs, gloo on CPUs
+    torch.manual_seed(cfg.seed)
+    return device, amp, world, created  # DeepSpeed: and who we are
+
+
+def build(cfg: TrainConfig, device: torch.device, world):  # DeepSpeed: needs rank and world size
+    """Data, model and optimizer."""
+    train_set, test_set, info = build_datasets(cfg)
+    # DeepSpeed: each rank reads its own 1/world_size of a shuffled order; set_epoch(epoch) reshuffles it.
+    sampler = DistributedSampler(train_set, world.world_size, world.rank, shuffle=True, seed=cfg.seed)
+    train_loader = make_loader(train_set, cfg, device, sampler=sampler)
+    # DeepSpeed: every rank evaluates the whole test set: ZeRO-3's forward all-gathers, so all run as many batches.
+    test_loader = make_loader(test_set, cfg, device)
+    model = build_model(cfg.model, info).to(device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    lr = scaled_lr(cfg, world.world_size)  # DeepSpeed: a world_size times larger global batch, a larger lr
+    optimizer = build_optimizer(model, cfg, lr)
+    ds_config = {  # DeepSpeed: the engine does what the other trainers spell out, configured from the same cfg
+        "train_micro_batch_size_per_gpu": cfg.batch_size, "gradient_accumulation_steps": cfg.grad_accum,  # DeepSpeed
+        "zero_optimization": {"stage": cfg.zero_stage}, "gradient_clipping": cfg.clip_grad,  # DeepSpeed
+        "bf16": {"enabled": cfg.precision == "bf16"}, "fp16": {"enabled": cfg.precision == "fp16"},  # DeepSpeed
+        "zero_allow_untested_optimizer": True,  # DeepSpeed: our torch SGD rather than one of DeepSpeed's own
+        "steps_per_print": 2**31 - 1}  # DeepSpeed: no progress lines of its own; RunLog prints ours
+    # DeepSpeed: the engine wraps model and optimizer: broadcast, gradient reduction, partitioning, loss scaling.
+    model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return model, optimizer, train_loader, test_loader, lr
+
+
+def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, state, log):
+    model.train()
+    loss_sum, samples, start = torch.zeros((), device=device), 0, time.perf_counter()
+    for i, (X, y) in enumerate(log.bar(loader, epoch)):
+        X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if cfg.channels_last:
+            X = X.contiguous(memory_format=torch.channels_last)
+        last_micro_batch = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(loader)
+        model.set_gradient_accumulation_boundary(last_micro_batch)  # DeepSpeed: reduce gradients before a step only
+        with amp.autocast():
+            loss = F.cross_entropy(model(X), y)
+        model.backward(loss)  # DeepSpeed: divides by grad_accum, then all-reduces or reduce-scatters the gradients
+        loss_sum += loss.detach() * len(y)
+        samples += len(y)
+        if last_micro_batch:
+            lr = lr_at(cfg, epoch + i / len(loader), peak_lr)
+            set_lr(optimizer, lr)
+            model.step()  # DeepSpeed: clip, step (each rank its partition), share the new weights, zero the grads
+            state.step += 1
+            log.step(state.step, loss, lr, getattr(optimizer, "loss_scale", 1.0))  # DeepSpeed: its fp16 scaler
+            if cfg.max_steps and state.step >= cfg.max_steps:
+                break
+    seconds = time.perf_counter() - start
+    return loss_sum.item() / samples, samples / seconds, seconds
+
+
+@torch.no_grad()
+def evaluate(cfg, model, amp, loader, device):
+    """Loss and accuracy over the whole test set."""
+    model.eval()
+    sums = torch.zeros(3, device=device)  # loss sum, correct, count
+    for X, y in loader:
+        X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if cfg.channels_last:
+            X = X.contiguous(memory_format=torch.channels_last)
+        with amp.autocast():
+            logits = model(X)
+        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"),
+                             (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
+    loss_sum, correct, count = sums.tolist()
+    return loss_sum / count, correct / count
+
+
+def main(cfg: TrainConfig) -> dict:
+    device, amp, world, created = setup(cfg)  # DeepSpeed: and who we are
+    try:  # DeepSpeed: leave the process group on every exit path, errors included
+        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, world)  # DeepSpeed: world
+        return train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr)  # DeepSpeed
+    finally:  # DeepSpeed
+        teardown(created)  # DeepSpeed
+
+
+def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr) -> dict:  # DeepSpeed
+    if cfg.compile:
+        model.compile()  # DeepSpeed: the engine compiles the module it wraps
+    log = tracking.RunLog(cfg, world.is_main_process, strategy=f"deepspeed-zero{cfg.zero_stage}",  # DeepSpeed
+                          world_size=world.world_size, precision=cfg.precision, device=str(device),  # DeepSpeed
+                          global_batch_size=cfg.batch_size * cfg.grad_accum * world.world_size)  # DeepSpeed
+    state = sharded_checkpoint.resume_deepspeed(cfg, model)  # DeepSpeed: weights, partitions, loss scale
+    log.metrics["epochs"] = state.history
+    for epoch in range(state.epoch, cfg.epochs):
+        train_loader.sampler.set_epoch(epoch)  # DeepSpeed: a new shuffle every epoch, the same on every rank
+        train_loss, samples_per_second, seconds = train_one_epoch(
+            cfg, model, optimizer, amp, train_loader, device, epoch, peak_lr, state, log)
+        train_loss = all_reduce_mean(train_loss, device)  # DeepSpeed: the loss over all ranks' samples
+        samples_per_second *= world.world_size  # DeepSpeed: every rank processes its own samples at the same time
+        test_loss, test_accuracy = evaluate(cfg, model, amp, test_loader, device)
+        log.epoch(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss, test_accuracy=test_accuracy,
+                       samples_per_second=samples_per_second, epoch_seconds=seconds,
+                       lr=optimizer.param_groups[0]["lr"], skipped_steps=model.skipped_steps), state.step)  # DeepSpeed
+        state.epoch = epoch + 1
+        sharded_checkpoint.save_deepspeed(cfg, model, state)  # DeepSpeed: every rank writes its own partitions
+        if cfg.max_steps and state.step >= cfg.max_steps:
+            break
+        if cfg.target_accuracy and test_accuracy >= cfg.target_accuracy:
+            log.print(f"target accuracy {cfg.target_accuracy} reached after epoch {epoch}")
+            break
+    with deepspeed.zero.GatheredParameters(list(model.module.parameters())):  # DeepSpeed: ZeRO-3 holds slices
+        digests = replica_checksums(model.module)  # DeepSpeed: every rank's digest of the whole model
+    return log.finish(steps=state.step, replica_checksums=digests, replicas_identical=len(set(digests)) == 1)
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args("Train with DeepSpeed ZeRO: optimizer state, gradients, parameters sharded."))  # DeepSpeed

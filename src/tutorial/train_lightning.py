@@ -1,0 +1,143 @@
+"""Stage 8: PyTorch Lightning, the same training with the loop written for us (notebook 08_lightning).
+
+The model, data, optimizer and schedule are the other trainers' (same TrainConfig, same core); Lightning's Trainer
+runs the loop and does what train_ddp.py spells out: the DistributedSampler and set_epoch, the DDP wrapper, metric
+averaging, rank-0 checkpoints and logging, precision, clipping, accumulation; also early stopping and profiling
+(seed 000). Launch it with any of:
+
+    torchrun --standalone --nproc_per_node 2 -m tutorial.train_lightning --preset smoke --out runs/lightning
+    mpirun -np 2 python -m tutorial.train_lightning --preset smoke       (also mpiexec/PALS, srun; seed 000's
+                                                                          horovodrun -np 8 -H node1:4,node2:4)
+    tutorial.launch.engines.start(n=2).run(tutorial.train_lightning.main, cfg)  (ipyparallel engines, from a notebook)
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from torch.optim.lr_scheduler import LambdaLR
+
+from .core import tracking
+from .core.lightning_glue import LaunchedDDP, Launcher, RunRecord
+from .core.config import TrainConfig, parse_args
+from .core.data import build_datasets, make_loader
+from .core.distributed import init_process_group, pick_device, replica_checksums, teardown, world_from_env
+from .core.models import build_model
+from .core.optim import build_optimizer, lr_at, scaled_lr
+from .core.process import run_main
+
+PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}  # our names -> Lightning's
+
+# Lightning's advice that does not apply here: we start the processes ourselves (also where srun exists), out/ also
+# holds metrics.json and tb/, and no cloud logger is wanted.
+for message in ("The `srun` command is available", "Checkpoint directory .* exists and is not empty",
+                r"`isinstance\(treespec, LeafSpec\)` is deprecated"):
+    warnings.filterwarnings("ignore", message)
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in
+                                                                     record.getMessage())
+
+
+class Classifier(L.LightningModule):
+    """What is left of train_one_epoch and evaluate: the loss of a batch, the metrics, the optimizer."""
+
+    def __init__(self, cfg: TrainConfig, info, peak_lr: float, steps_per_epoch: int):
+        super().__init__()
+        self.cfg, self.peak_lr, self.steps_per_epoch = cfg, peak_lr, steps_per_epoch
+        self.model = build_model(cfg.model, info)
+        if cfg.channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+
+    def forward(self, X):
+        if self.cfg.channels_last:
+            X = X.contiguous(memory_format=torch.channels_last)
+        return self.model(X)
+
+    def training_step(self, batch, batch_idx):
+        X, y = batch  # already on this rank's device, from this rank's shard
+        loss = F.cross_entropy(self(X), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)  # epoch mean over all ranks
+        return loss  # Lightning calls backward, steps, zeroes the gradients (and scales them for fp16)
+
+    def validation_step(self, batch, batch_idx):
+        X, y = batch
+        logits = self(X)
+        self.log("test_loss", F.cross_entropy(logits.float(), y), sync_dist=True)
+        self.log("test_accuracy", (logits.argmax(1) == y).float().mean(), sync_dist=True)
+
+    def configure_optimizers(self):
+        optimizer = build_optimizer(self.model, self.cfg, self.peak_lr)
+        # The same warm-up and cosine curve as the other trainers (a function of epochs), stepped every step.
+        schedule = LambdaLR(optimizer, lambda step: lr_at(self.cfg, step / self.steps_per_epoch, self.peak_lr)
+                            / self.peak_lr)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def setup(cfg: TrainConfig):
+    """Who we are, the device, the process group and the seed; bad options fail here, before any work."""
+    world = world_from_env()
+    device = pick_device(world.local_rank, world.local_world_size)
+    tracking.prepare_output(cfg)
+    created = init_process_group(world, device, cfg.timeout, cfg.backend)  # bounded; Lightning adopts the group
+    L.seed_everything(cfg.seed, verbose=False)  # also the seed of the DistributedSampler Lightning puts in
+    return device, world, created
+
+
+def build(cfg: TrainConfig, device: torch.device, world):
+    """Data, the LightningModule (model and optimizer) and the Trainer."""
+    train_set, test_set, info = build_datasets(cfg)
+    # Plain loaders: Lightning swaps in a DistributedSampler (train: shuffled, set_epoch every epoch; test: in
+    # order, padded so every rank gets as many batches).
+    train_loader = make_loader(train_set, cfg, device, sampler=torch.utils.data.RandomSampler(train_set))
+    test_loader = make_loader(test_set, cfg, device)
+    steps_per_epoch = math.ceil(math.ceil(len(train_set) / world.world_size) / cfg.batch_size / cfg.grad_accum)
+    module = Classifier(cfg, info, scaled_lr(cfg, world.world_size), steps_per_epoch)
+    log = tracking.RunLog(cfg, world.is_main_process, strategy="lightning-ddp", world_size=world.world_size,
+                          precision=cfg.precision, device=str(device),
+                          global_batch_size=cfg.batch_size * cfg.grad_accum * world.world_size)
+    callbacks = [RunRecord(log, world.world_size)]
+    if cfg.out:  # rank 0 writes out/checkpoint.ckpt after every epoch: weights, optimizer, loops, callbacks
+        callbacks.append(ModelCheckpoint(dirpath=cfg.out, filename="checkpoint", enable_version_counter=False))
+    if cfg.patience:  # seed 000: stop when the test loss has not improved for `patience` epochs
+        callbacks.append(EarlyStopping(monitor="test_loss", mode="min", patience=cfg.patience))
+    if cfg.target_accuracy:
+        callbacks.append(EarlyStopping(monitor="test_accuracy", mode="max", stopping_threshold=cfg.target_accuracy,
+                                       patience=cfg.epochs))
+    trainer = L.Trainer(
+        accelerator="gpu" if device.type == "cuda" else "cpu", devices=world.local_world_size,
+        num_nodes=world.world_size // world.local_world_size,
+        strategy=LaunchedDDP(cluster_environment=Launcher(world)), precision=PRECISION[cfg.precision],
+        max_epochs=cfg.epochs, max_steps=cfg.max_steps or -1, accumulate_grad_batches=cfg.grad_accum,
+        gradient_clip_val=cfg.clip_grad or None, callbacks=callbacks, logger=False, num_sanity_val_steps=0,
+        enable_progress_bar=bool(cfg.progress),
+        enable_model_summary=False, enable_checkpointing=bool(cfg.out), default_root_dir=cfg.out or None)
+    return module, trainer, train_loader, test_loader, log
+
+
+def main(cfg: TrainConfig) -> dict:
+    device, world, created = setup(cfg)
+    try:
+        module, trainer, train_loader, test_loader, log = build(cfg, device, world)
+        trainer.fit(module, train_loader, test_loader, ckpt_path=resume_path(cfg))
+        digests = replica_checksums(module.model)  # every rank's parameter digest, to prove the replicas agree
+        return log.finish(steps=trainer.global_step, replica_checksums=digests,
+                          replicas_identical=len(set(digests)) == 1, stopped_early=trainer.should_stop)
+    finally:
+        teardown(created)
+
+
+def resume_path(cfg: TrainConfig) -> str | None:
+    """Lightning's checkpoint to continue from: out/checkpoint.ckpt for --resume (auto), once it exists."""
+    if cfg.resume == "auto":
+        path = os.path.join(cfg.out, "checkpoint.ckpt") if cfg.out else ""
+        return path if os.path.isfile(path) else None
+    return cfg.resume or None
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args("Train with PyTorch Lightning (DDP), one process per GPU."))
