@@ -41,6 +41,7 @@ from ..core.config import ConfigError
 STATE = Path("/run/tutorial-cluster")
 STATE_FILE = STATE / "cluster.json"
 LOCK_FILE = Path("/run/tutorial-cluster.lock")
+LOCK_HELD = "TUTORIAL_CLUSTER_LOCK_HELD"   # set while this process holds the lock, inherited by its children
 NETNS_ETC = Path("/etc/netns")
 SWITCH = "vcluster-switch"
 BRIDGE = "br0"
@@ -48,7 +49,7 @@ IFNAME = "eth0"                 # every node's interface on the cluster network:
 NETWORK = "10.77.0"             # private, and used only inside the namespaces made here
 MAX_NODES = 250
 LOOPBACK_SELF = "127.0.1.1"     # what Debian's installer maps a machine's own name to in /etc/hosts
-SLURM_PACKAGES = ("slurm-wlm", "munge")
+SLURM_PACKAGES = {"slurm-wlm": "slurmctld", "munge": "munged"}
 SLURM_DAEMONS = ("slurmctld", "slurmscriptd", "slurmd", "slurmstepd", "munged")
 COMMAND_TIMEOUT = 60.0
 
@@ -260,6 +261,10 @@ def up(n: int, slurm: bool = False, quiet: bool = False) -> list[str]:
     require_root()
     down(quiet=True)
     names = [f"node{i}" for i in range(1, n + 1)]
+    foreign = sorted(set(names + [SWITCH]) & _netns_list())
+    if foreign:  # not ours (ours are gone after down): never touch them
+        raise NodesError(f"network namespace(s) {', '.join(foreign)} exist and were not made by virtual_cluster.sh; "
+                         f"remove them first (ip netns del NAME)")
     _write_state(dict(nodes=names, switch=SWITCH, complete=False, slurm=False))  # before anything exists
     try:
         _do("ip", "netns", "add", SWITCH)
@@ -359,6 +364,9 @@ def self_on_loopback(on: bool = True) -> None:
 def lock(timeout: float = 900.0):
     """Hold the machine's virtual-cluster lock (bounded wait): two test runs or notebooks on one machine would
     otherwise use, and remove, each other's nodes. The node names are fixed, so there is one cluster per machine."""
+    if os.environ.get(LOCK_HELD) == str(LOCK_FILE):  # a parent process holds it for us (the tests' CLI calls)
+        yield
+        return
     LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
     with open(LOCK_FILE, "w") as handle:
         deadline = time.monotonic() + timeout
@@ -368,12 +376,14 @@ def lock(timeout: float = 900.0):
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise SetupError(f"another virtual cluster was in use for {timeout:.0f} s (lock {LOCK_FILE})") \
-                        from None
+                    raise SetupError(f"the virtual cluster is in use by a test or a notebook (lock {LOCK_FILE}, "
+                                     f"waited {timeout:.0f} s)") from None
                 time.sleep(1.0)
+        os.environ[LOCK_HELD] = str(LOCK_FILE)
         try:
             yield
         finally:
+            os.environ.pop(LOCK_HELD, None)
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
@@ -397,18 +407,22 @@ def _munge_dir() -> Path:
     return STATE / "munge"
 
 
-def install_slurm() -> None:
-    """slurm-wlm and munge from the distribution, only for the rehearsal (never part of `make install`)."""
-    missing = [p for p, exe in zip(SLURM_PACKAGES, ("slurmctld", "munged")) if shutil.which(exe) is None]
+def install(packages: dict[str, str]) -> None:
+    """Debian packages only the rehearsal needs ({package: a program it installs}), installed with apt-get when that
+    program is missing: Slurm, munge, nftables. Never part of `make install`: attendees do not need them."""
+    missing = [package for package, program in packages.items() if shutil.which(program) is None]
     if not missing:
         return
     if shutil.which("apt-get") is None:
-        raise SetupError(f"Slurm is not installed and there is no apt-get here: install {' '.join(missing)}")
+        raise SetupError(f"{' '.join(missing)} not installed, and there is no apt-get here to install them")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    proc = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *SLURM_PACKAGES],
-                          capture_output=True, text=True, timeout=900, env=env, stdin=subprocess.DEVNULL)
-    if proc.returncode != 0 or shutil.which("slurmctld") is None:
-        raise SetupError(f"could not install {' '.join(SLURM_PACKAGES)}: {_last_line(proc)}")
+    apt = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
+    proc = subprocess.run(apt, capture_output=True, text=True, timeout=900, env=env, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:  # a fresh machine may have no package lists yet
+        subprocess.run(["apt-get", "update"], capture_output=True, timeout=600, env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(apt, capture_output=True, text=True, timeout=900, env=env, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0 or any(shutil.which(packages[p]) is None for p in missing):
+        raise SetupError(f"could not install {' '.join(missing)}: {_last_line(proc)}")
 
 
 def slurm_conf(all_nodes: list[str], cpus: int) -> str:
@@ -473,7 +487,9 @@ def slurm_up(quiet: bool = False, timeout: float = 60.0) -> None:
     if not all_nodes:
         raise NodesError("no virtual cluster is up: virtual_cluster.sh up N first")
     slurm_down(quiet=True)
-    install_slurm()
+    install(SLURM_PACKAGES)
+    if not Path("/etc/slurm").is_dir():  # `ip netns exec` mounts the node's slurm/ over it, so it must exist
+        raise SetupError("/etc/slurm does not exist: Slurm was not installed from Debian's slurm-wlm package")
     head, state = all_nodes[0], _read_state()
     _write_state(dict(state, slurm=True))  # before anything starts, so down stops it
     try:
@@ -531,9 +547,11 @@ def job_info(job_id: str, node: str | None = None) -> dict:
     return dict(word.split("=", 1) for word in proc.stdout.split() if "=" in word) if proc.returncode == 0 else {}
 
 
-def submit(script, *args, node: str | None = None, env: dict | None = None, output=None) -> str:
-    """`sbatch SCRIPT ARGS...` from `node` (default: the first); returns the job id."""
-    cmd = ["sbatch", "--parsable", *(["--output", str(output)] if output else []), str(script), *map(str, args)]
+def submit(script, *args, node: str | None = None, env: dict | None = None, output=None, chdir=None) -> str:
+    """`sbatch SCRIPT ARGS...` from `node` (default: the first), the job starting in `chdir` (default: here);
+    returns the job id."""
+    cmd = ["sbatch", "--parsable", *(["--output", str(output)] if output else []),
+           *(["--chdir", str(chdir)] if chdir else []), str(script), *map(str, args)]
     return run(node or nodes()[0], cmd, env=env, timeout=30).stdout.strip().split(";")[0]
 
 
@@ -598,9 +616,14 @@ def main(argv: list[str] | None = None) -> int:
             counts = [a for a in rest if not a.startswith("--")]
             if len(counts) != 1 or set(flags) - {"--slurm"}:
                 raise NodesError(f"up takes N and optionally --slurm, got {' '.join(rest) or 'nothing'}")
-            up(node_count(counts[0]), slurm="--slurm" in flags)
+            n = node_count(counts[0])
+            require_root()
+            with lock(timeout=5):  # not while a test or a notebook uses the nodes
+                up(n, slurm="--slurm" in flags)
         elif verb == "down" and not rest:
-            down()
+            require_root()
+            with lock(timeout=5):
+                down()
         elif verb == "status" and not rest:
             require_root()
             print(status())
