@@ -1,8 +1,11 @@
-"""06_multi_node: hand-written ranks with tcp:// and file://, seed 001's killed launcher, interfaces, recipes."""
+"""06_multi_node: hand-written ranks with tcp:// and file://, seed 001's killed launcher, interfaces, recipes, and
+rehearsal 5's virtual nodes."""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -10,6 +13,7 @@ import uuid
 from pathlib import Path
 
 from ..core.process import free_port
+from ..launch import nodes
 from ..launch.commands import manual_commands
 from ..launch.processes import Launch, Nodes, launch, launcher_env, leftovers
 
@@ -83,3 +87,78 @@ def script(relpath: str) -> None:
     if not path.exists():
         raise FileNotFoundError(f"no launch recipe scripts/{relpath} (this needs the repository checkout)")
     print(path.read_text().rstrip())
+
+
+class RehearsalNodes:
+    """Rehearsal 5's nodes: virtual nodes (scripts/virtual_cluster.sh: network namespaces, each with its own interface,
+    address and host name) with Slurm when this machine can make them (root and `ip netns`), otherwise "nodes" on
+    localhost as in the rehearsals before. `close()` removes the nodes, the daemons and whatever runs on them."""
+
+    def __init__(self, n: int = 2, slurm: bool = True, lock_timeout: float = 300):
+        self.names = [f"node{i}" for i in range(1, n + 1)]
+        self.why_not, self.slurm, self.slurm_note = nodes.available(), False, ""
+        self._stack = contextlib.ExitStack()
+        if not self.why_not:
+            try:
+                self._stack.enter_context(nodes.cluster(n, lock_timeout=lock_timeout))
+            except (nodes.SetupError, OSError, subprocess.SubprocessError) as exc:
+                self.why_not = f"could not make virtual nodes: {exc}"
+        if self.virtual and slurm:
+            try:
+                nodes.slurm_up(quiet=True)  # installs slurm-wlm and munge the first time (apt-get)
+                self.slurm = True
+            except (nodes.SetupError, OSError, subprocess.SubprocessError) as exc:
+                self.slurm_note = f"no Slurm: {exc}"
+
+    @property
+    def virtual(self) -> bool:
+        return not self.why_not
+
+    @property
+    def interface(self) -> str:
+        """The interface the nodes reach each other on: what GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME should name."""
+        return nodes.IFNAME if self.virtual else "lo"
+
+    @property
+    def hostnames(self) -> list[str]:
+        return list(self.names) if self.virtual else [socket.gethostname()] * len(self.names)
+
+    def endpoint(self) -> str:
+        """Where node1 listens: a fixed port on the virtual node1 (every node has ports of its own), else a free one."""
+        return f"{self.names[0]}:29400" if self.virtual else f"127.0.0.1:{free_port()}"
+
+    def on(self, node: str, cmd: list[str]) -> list[str]:
+        """cmd as it runs on node (`virtual_cluster.sh exec node CMD`); on localhost, cmd itself."""
+        return nodes.command(node, cmd) if self.virtual else list(cmd)
+
+    def names_on_loopback(self, on: bool = True) -> None:
+        """Every node's /etc/hosts maps its own name to 127.0.1.1 (on) or to its address (off); nothing on localhost."""
+        if self.virtual:
+            nodes.self_on_loopback(on)
+
+    def sbatch(self, recipe: str, *args: str, out: str, timeout: float = 300) -> dict | None:
+        """Submit scripts/<recipe> from node1 with OUT=out, wait for it (bounded), return Slurm's record of the job
+        and its metrics.json; None where Slurm does not run."""
+        if not self.slurm:
+            return None
+        checkout = Path(__file__).resolve().parents[3]
+        env = dict(launcher_env(), OUT=str(out))
+        job = nodes.submit(checkout / "scripts" / recipe, *args, env=env, chdir=checkout, output=f"{out}.log")
+        info = nodes.wait(job, timeout=timeout)
+        metrics = Path(out) / "metrics.json"
+        return dict(info, metrics=json.loads(metrics.read_text()) if metrics.exists() else {})
+
+    @property
+    def running(self) -> bool:
+        """Whether virtual nodes are up (after close(): none)."""
+        return self.virtual and bool(nodes.nodes())
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __str__(self) -> str:
+        if not self.virtual:
+            return f"no virtual nodes ({self.why_not}): the cells below run on localhost"
+        where = ", ".join(f"{m} ({nodes.address(m)})" for m in self.names)
+        slurm = "slurmctld on node1, slurmd on every node" if self.slurm else self.slurm_note
+        return f"virtual nodes {where} on {nodes.IFNAME}; Slurm: {slurm}"
