@@ -251,20 +251,22 @@ import json
 from tutorial import train_ddp
 from tutorial.core.config import TrainConfig
 from tutorial.launch import engines
-with engines.start(n=2, engines="slurm", device="cpu", interface="eth0", timeout=120, show=False,
+with engines.start(n=2, engines="slurm", interface="eth0", timeout=120, show=False,  # device="auto": no GPUs there
                    launcher=dict(batch_template_file="scripts/slurm/engines_cpu.sh", queue="debug",
                                  namespace=dict(timelimit="00:10:00", ppn=1))) as cluster:
     metrics = cluster.run(train_ddp.main, TrainConfig.preset("smoke", epochs=1, max_steps=5))
     print(json.dumps(dict(hosts=[e.host for e in cluster.engines], world_size=metrics["world_size"],
-                          replicas_identical=metrics["replicas_identical"])))
+                          replicas_identical=metrics["replicas_identical"], devices=[e.device for e in cluster.engines])))
 """
 
 
 def test_engines_through_slurm_on_both_nodes(slurm):
     """The notebook's engines, started from a Python process on node1 (the job's first node, where the notebook would
-    run): the controller listens on node1's eth0, and Slurm starts one engine on each node."""
+    run): the controller listens on node1's eth0, and Slurm starts one engine on each node. device="auto" finds no
+    GPU on the nodes and uses the CPU there."""
     run = processes.launch([nodes.command("node1", [sys.executable, "-c", ENGINES])], timeout=300, check=False)
     lines = [line for line in run.outputs[0].splitlines() if line.startswith("{")]
     assert run.ok and lines, run.outputs[0][-3000:]
-    assert json.loads(lines[-1]) == dict(hosts=["node1", "node2"], world_size=2, replicas_identical=True)
+    assert json.loads(lines[-1]) == dict(hosts=["node1", "node2"], world_size=2, replicas_identical=True,
+                                         devices=["cpu", "cpu"])
     assert not nodes.run("node1", ["squeue", "-h"]).stdout.strip(), "the engines' job outlived the cluster"

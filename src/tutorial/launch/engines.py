@@ -21,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from types import ModuleType
@@ -86,10 +87,12 @@ class EngineInfo:
 # ---------------------------------------------------------------------------------- run on the engines
 def _probe() -> dict:
     """Who am I: pid, host, and the MPI rank when mpiexec started the engine (`ipengine --mpi` imports mpi4py)."""
+    import torch
     mpi = sys.modules.get("mpi4py.MPI")
     world = mpi.COMM_WORLD if mpi is not None and mpi.Is_initialized() else None
     return dict(pid=os.getpid(), host=socket.gethostname(), mpi_rank=world.Get_rank() if world else None,
-                mpi_size=world.Get_size() if world else None)
+                mpi_size=world.Get_size() if world else None,
+                gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 def _configure(env: dict, use_cuda: bool) -> tuple[str, str, int]:
@@ -194,6 +197,10 @@ def _config(kind: str, n: int, hide_gpus: bool, mpi_args, launcher: dict, tag: s
     config.MPIEngineSetLauncher.mpi_args = list(mpi_args)
     # Engines keep no state worth saving: SIGKILL 1 s after SIGTERM (the default 5 s adds up over restarts).
     config.LocalProcessLauncher.stop_seconds_until_kill = 1
+    if kind in BATCH_KINDS:  # the filled-in batch script goes to /tmp, not into whatever folder the notebook is in
+        safe = re.sub(r"[^\w.-]", "-", tag)
+        config[find_launcher_class(kind, "engine").__name__].batch_file_name = \
+            os.path.join(tempfile.gettempdir(), f"tutorial-{safe}-engines.{kind}")
     config[find_launcher_class(kind, "engine").__name__].update(launcher or {})
     return config
 
@@ -234,7 +241,8 @@ def start(n: int | None = None, engines: str = "local", *, device: str = "auto",
                               engine_timeout=math.ceil(timeout), log=_ipp_log,
                               config=_config(engines, n, device == "cpu", mpi_args, launcher, tag, timeout),
                               **ipp_options)
-    cluster = Cluster(ipp_cluster, engines, tag, use_cuda=use_cuda, timeout=timeout, run_timeout=run_timeout,
+    cluster = Cluster(ipp_cluster, engines, tag, use_cuda=use_cuda, device=device, timeout=timeout,
+                      run_timeout=run_timeout,
                       on_failure=on_failure, activate=activate)
     try:
         cluster._start()
@@ -250,10 +258,11 @@ class Cluster:
     """A running controller and its engines, ranks 0..n-1 (`engines`, in rank order), and `view`, a blocking
     DirectView on them in rank order. Use start() to make one."""
 
-    def __init__(self, ipp_cluster, kind: str, tag: str, *, use_cuda: bool, timeout: float, run_timeout: float,
+    def __init__(self, ipp_cluster, kind: str, tag: str, *, use_cuda: bool, device: str = "auto", timeout: float,
+                 run_timeout: float,
                  on_failure: str, activate: bool):
         self._ipp, self.kind, self.tag, self.n = ipp_cluster, kind, tag, ipp_cluster.n
-        self.use_cuda, self.timeout, self.run_timeout = use_cuda, timeout, run_timeout
+        self.use_cuda, self.device, self.timeout, self.run_timeout = use_cuda, device, timeout, run_timeout
         self.on_failure, self.activate = on_failure, activate
         self.engines: list[EngineInfo] = []
         self.results: list = []   # the last run's result per rank, in rank order
@@ -288,6 +297,11 @@ class Cluster:
     def _assign_ranks(self, ids: list) -> None:
         """Rank, local rank and world size for every engine; MPI engines keep their MPI rank (Horovod's)."""
         infos = dict(zip(ids, self.client[ids].apply_sync(_probe)))
+        without = sorted({infos[i]["host"] for i in ids if not infos[i]["gpus"]})
+        if self.use_cuda and without:  # engines on other nodes: only now do we know their GPUs
+            if self.device == "cuda":
+                raise RankError(f"device='cuda' but {', '.join(without)} has no GPU (device='auto' uses the CPU there)")
+            self.use_cuda = False  # device='auto' on nodes without GPUs means the CPU
         mpi = {i: (infos[i]["mpi_rank"], infos[i]["mpi_size"]) for i in ids}
         if self.kind == "mpi" or all(rank is not None for rank, _ in mpi.values()):
             if set(mpi.values()) != {(rank, self.n) for rank in range(self.n)}:
