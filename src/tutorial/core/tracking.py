@@ -170,7 +170,7 @@ class StepTimer:
 
     def _counted(self, loader):
         for X, y in loader:
-            self.samples += len(y)  # exact with a short last batch and with gradient accumulation
+            self.samples += y.shape[0]  # exact with a short last batch and with gradient accumulation
             yield X, y
 
     def step(self) -> None:
