@@ -22,3 +22,10 @@ def pytest_configure(config):
     # The kernels inherit this environment: ipyparallel's progress bars and INFO lines would make outputs vary.
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
     os.environ.setdefault("CI", "true")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A notebook cell may train for minutes on a busy 2-core machine (the unit tests' 300 s limit is too short)."""
+    import pytest
+    for item in items:
+        item.add_marker(pytest.mark.timeout(1800))

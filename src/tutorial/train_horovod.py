@@ -47,8 +47,7 @@ def build(cfg: TrainConfig, device: torch.device):
     train_loader = make_loader(train_set, cfg, device, sampler=sampler)
     test_loader = make_loader(shard(test_set, hvd.rank(), hvd.size()), cfg, device)  # Horovod: exact shards
     model = build_model(cfg.model, info).to(device)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    # Horovod: --channels-last converts the inputs only; 0.28's all-reduce rejects channels_last (NHWC) gradients.
     lr = scaled_lr(cfg, hvd.size())  # Horovod: step 3, scale the lr with the number of workers
     optimizer = build_optimizer(model, cfg, lr)
     compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none  # Horovod: step 4

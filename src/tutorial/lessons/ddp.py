@@ -115,7 +115,8 @@ class GlobalBatchNorm2d(torch.nn.BatchNorm2d):
     def forward(self, x):
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(x)
-        c = x.shape[1]
+        c, dtype = x.shape[1], x.dtype
+        x = x.float()  # statistics in fp32, as BatchNorm keeps them under autocast (bf16 sums of squares lose digits)
         count = torch.full((1,), x.numel() / c, dtype=x.dtype, device=x.device)
         stats = _AllReduceSum.apply(torch.cat([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3)), count]))  # over ranks
         n = stats[-1]
@@ -127,7 +128,7 @@ class GlobalBatchNorm2d(torch.nn.BatchNorm2d):
             self.running_var.lerp_(var * n / (n - 1), self.momentum)
         shape = (1, c, 1, 1)
         y = (x - mean.view(shape)) / torch.sqrt(var.view(shape) + self.eps)
-        return y * self.weight.view(shape) + self.bias.view(shape)
+        return (y * self.weight.view(shape) + self.bias.view(shape)).to(dtype)
 
     @classmethod
     def convert(cls, module: torch.nn.Module) -> torch.nn.Module:
