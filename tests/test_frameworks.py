@@ -11,6 +11,8 @@ To keep this file to a few minutes on 2 cores, the runs that only need 2 process
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import metrics, run, torchrun_cmd
@@ -85,27 +87,19 @@ def test_sharding_holds_a_world_size_share_of_the_parameters(cluster):
     assert rows["fsdp"]["gradients"] == pytest.approx(ddp["gradients"] / 2, rel=0.01)
 
 
-@pytest.fixture
-def fresh_rendezvous(monkeypatch):
-    """A run in this process sets MASTER_ADDR/PORT for a world of 1 (core.distributed.rendezvous); the next run here
-    must not reuse that port, whose store may still be listening."""
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-
-
-def test_dcp_checkpoint_from_two_ranks_resumes_in_one(torchrun_runs, fresh_rendezvous, monkeypatch):
+def test_dcp_checkpoint_from_two_ranks_resumes_in_one(torchrun_runs):
     """FSDP at 2 ranks wrote out/checkpoint/ with torch.distributed.checkpoint; one process loads it, gets the same
-    parameters (no training left at epochs=4: the final checksum is the loaded weights'), then trains on."""
+    parameters (no training left at epochs=4: the final checksum is the loaded weights'), then trains on. Two runs in
+    this one process also check that the second picks a new rendezvous port (the first one's store may hold it)."""
     out = torchrun_runs["fsdp"]
     two = metrics(out)
     loaded = train_fsdp.main(SMOKE.replace(out=str(out), resume="auto"))
     assert loaded["world_size"] == 1 and loaded["replica_checksums"][0] == two["replica_checksums"][0]
-    monkeypatch.delenv("MASTER_PORT")
     more = train_fsdp.main(SMOKE.replace(out=str(out), resume="auto", epochs=5))
     assert [e["epoch"] for e in more["epochs"]] == [0, 1, 2, 3, 4] and more["test_accuracy"] >= 0.95
 
 
-def test_deepspeed_checkpoint_refuses_another_world_size(torchrun_runs, fresh_rendezvous):
+def test_deepspeed_checkpoint_refuses_another_world_size(torchrun_runs):
     from tutorial.core.config import ConfigError
     with pytest.raises(ConfigError, match="written by 2 ranks"):
         train_deepspeed.main(SMOKE.replace(out=str(torchrun_runs["deepspeed"]), resume="auto", zero_stage=3))
@@ -135,3 +129,20 @@ def test_zero_arithmetic():
     assert sharded.zero_bytes_per_parameter(0, 8) == 16
     assert sharded.zero_bytes_per_parameter(3, 8) == 2
     assert sharded.zero_bytes_per_parameter(1, 4) == pytest.approx(2 + 2 + 3)
+
+
+def test_patience_and_top5_in_every_trainer():
+    """Seed 000's early stopping and seed 001's top-5 accuracy are the same lines in every trainer (one here runs)."""
+    from tutorial import train_single
+    from tutorial.core.metrics import patience_exhausted
+    cfg = SMOKE.replace(patience=2)
+    assert not patience_exhausted(cfg, [{"test_loss": 1.0}, {"test_loss": 0.5}, {"test_loss": 0.6}])
+    assert patience_exhausted(cfg, [{"test_loss": 1.0}, {"test_loss": 0.5}, {"test_loss": 0.6}, {"test_loss": 0.5}])
+    assert not patience_exhausted(cfg.replace(patience=0), [{"test_loss": 1.0}] + [{"test_loss": 2.0}] * 5)
+    m = train_single.main(SMOKE.replace(epochs=12, patience=1, schedule="constant"))
+    losses = [e["test_loss"] for e in m["epochs"]]
+    assert len(losses) < 12 and losses[-1] > min(losses)
+    assert 1.0 >= m["test_top5_accuracy"] >= m["test_accuracy"] >= 0.95
+    for stage in ("single", "dp", "ddp", "horovod", "fsdp", "deepspeed"):
+        text = (Path(train_single.__file__).parent / f"train_{stage}.py").read_text()
+        assert "patience_exhausted(cfg, log.metrics[\"epochs\"])" in text and "top5_correct(logits, y)" in text, stage

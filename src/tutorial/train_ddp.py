@@ -22,6 +22,7 @@ from .core.config import ConfigError, TrainConfig, parse_args  # DDP: ConfigErro
 from .core.data import build_datasets, make_loader, shard  # DDP: shard
 from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # DDP
                                replica_checksums, teardown, world_from_env)  # DDP
+from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model  # DDP: the replicas' digests come from core.distributed
 from .core.optim import build_optimizer, lr_at, scaled_lr, set_lr  # DDP: scaled_lr
 from .core.precision import Precision
@@ -89,20 +90,20 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
 
 @torch.no_grad()
 def evaluate(cfg, model, amp, loader, device):
-    """Loss and accuracy over the whole test set."""
+    """Loss, accuracy and top-5 accuracy over the whole test set."""
     model.eval()
-    sums = torch.zeros(3, device=device)  # loss sum, correct, count
+    sums = torch.zeros(4, device=device)  # loss sum, correct, correct in the top 5, count
     for X, y in loader:
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cfg.channels_last:
             X = X.contiguous(memory_format=torch.channels_last)
         with amp.autocast():
             logits = model(X)
-        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"),
-                             (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
+        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"), (logits.argmax(1) == y).sum(),
+                             top5_correct(logits, y), torch.tensor(len(y), device=device)])
     dist.all_reduce(sums)  # DDP: sum the shards' loss, correct and count over all ranks
-    loss_sum, correct, count = sums.tolist()
-    return loss_sum / count, correct / count
+    loss_sum, correct, correct5, count = sums.tolist()
+    return loss_sum / count, correct / count, correct5 / count
 
 
 def main(cfg: TrainConfig) -> dict:
@@ -128,10 +129,11 @@ def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, 
             cfg, model, optimizer, amp, train_loader, device, epoch, peak_lr, state, log)
         train_loss = all_reduce_mean(train_loss, device)  # DDP: the loss over all ranks' samples
         samples_per_second *= world.world_size  # DDP: every rank processes its own samples at the same time
-        test_loss, test_accuracy = evaluate(cfg, model.module, amp, test_loader, device)  # DDP: local replica
+        test_loss, test_accuracy, test_top5 = evaluate(cfg, model.module, amp, test_loader, device)  # DDP: local replica
         log.epoch(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss, test_accuracy=test_accuracy,
                        samples_per_second=samples_per_second, epoch_seconds=seconds,
                        lr=optimizer.param_groups[0]["lr"], skipped_steps=amp.skipped_steps), state.step)
+        log.metrics["test_top5_accuracy"] = test_top5  # seed 001: the label among the 5 highest scores
         state.epoch = epoch + 1
         if world.is_main_process:  # DDP: one writer; the replicas are identical anyway
             checkpoint.save(cfg, model, optimizer, amp.scaler, state)  # DDP
@@ -139,6 +141,9 @@ def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, 
             break
         if cfg.target_accuracy and test_accuracy >= cfg.target_accuracy:
             log.print(f"target accuracy {cfg.target_accuracy} reached after epoch {epoch}")
+            break
+        if patience_exhausted(cfg, log.metrics["epochs"]):  # seed 000: stop when the test loss stops improving
+            log.print(f"no lower test loss for {cfg.patience} epochs: stopped after epoch {epoch}")
             break
     digests = replica_checksums(model)  # DDP: every rank's parameter digest, to prove the replicas agree
     return log.finish(steps=state.step, replica_checksums=digests, replicas_identical=len(set(digests)) == 1)

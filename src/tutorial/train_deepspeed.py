@@ -6,8 +6,6 @@ train_single.py plus the lines tagged "# DeepSpeed:" (many of them are train_ddp
     deepspeed --num_gpus 8 --no_local_rank --module tutorial.train_deepspeed --preset workshop  (its launcher)
     mpirun -np 2 python -m tutorial.train_deepspeed --preset smoke       (also mpiexec/PALS, srun)
     tutorial.launch.engines.start(n=2).run(tutorial.train_deepspeed.main, cfg)  (ipyparallel engines, from a notebook)
-
---zero-stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters; 0 is plain data parallel.
 """
 from __future__ import annotations
 
@@ -23,15 +21,17 @@ from torch.utils.data.distributed import DistributedSampler  # DeepSpeed
 # DeepSpeed: it picks its accelerator when imported; without a GPU it would guess, with a warning.
 os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 import deepspeed  # noqa: E402  # DeepSpeed
-
-# DeepSpeed: it calls collectives that torch 2.14 renamed, and torch would say so on every step.
+# DeepSpeed: quiet what does not apply: torch 2.14's renames of collectives it calls (said on every step), and
+# DeepSpeed: its warning about the torch optimizer that we allow on purpose ("zero_allow_untested_optimizer").
 warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
+deepspeed.utils.logger.addFilter(lambda record: "untested optimizer" not in record.getMessage())  # DeepSpeed
 
 from .core import sharded_checkpoint, tracking  # DeepSpeed: every rank writes its partitions
 from .core.config import ConfigError, TrainConfig, parse_args  # DeepSpeed: ConfigError
 from .core.data import build_datasets, make_loader
 from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # DeepSpeed
                                replica_checksums, teardown, world_from_env)  # DeepSpeed
+from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model  # DeepSpeed: the ranks' digests come from core.distributed
 from .core.optim import build_optimizer, lr_at, scaled_lr, set_lr  # DeepSpeed: scaled_lr
 from .core.precision import Precision
@@ -46,12 +46,11 @@ def setup(cfg: TrainConfig):
     if cfg.sync_bn:  # DeepSpeed: SyncBatchNorm is a DDP option here
         raise ConfigError("sync-bn is not supported by train_deepspeed; use train_ddp for SyncBatchNorm")  # DeepSpeed
     tracking.prepare_output(cfg)
-    # DeepSpeed: our bounded rendezvous for every launcher (not DeepSpeed's MPI discovery, which takes the first
-    # DeepSpeed: address of `hostname -I` for rank 0: seed 003's wrong-interface hang); DeepSpeed adopts the group.
+    # DeepSpeed: our bounded rendezvous, not DeepSpeed's MPI discovery (rank 0's first `hostname -I`, seed 003).
     created = init_process_group(world, device, cfg.timeout, cfg.backend)
     if device.type == "cpu":  # DeepSpeed: its shared-memory all-reduce serves CPU inference and compiles for minutes
         deepspeed.ops.__dict__.setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False  # DeepSpeed
-    os.environ.setdefault("LOCAL_RANK", str(world.local_rank))  # DeepSpeed: reads it itself (srun, mpich, alone)
+    os.environ["LOCAL_RANK"] = str(world.local_rank)  # DeepSpeed: reads it itself (srun, mpich, alone)
     if created:  # DeepSpeed: a group it cloned from an earlier process group here (notebook engines) is gone
         deepspeed.utils.groups._WORLD_GROUP = None  # DeepSpeed
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # DeepSpeed: nccl on GPUs, gloo on CPUs
@@ -76,10 +75,8 @@ def build(cfg: TrainConfig, device: torch.device, world):  # DeepSpeed: needs ra
         "train_micro_batch_size_per_gpu": cfg.batch_size, "gradient_accumulation_steps": cfg.grad_accum,  # DeepSpeed
         "zero_optimization": {"stage": cfg.zero_stage}, "gradient_clipping": cfg.clip_grad,  # DeepSpeed
         "bf16": {"enabled": cfg.precision == "bf16"}, "fp16": {"enabled": cfg.precision == "fp16"},  # DeepSpeed
-        "zero_allow_untested_optimizer": True,  # DeepSpeed: our torch SGD rather than one of DeepSpeed's own
-        "steps_per_print": 2**31 - 1}  # DeepSpeed: no progress lines of its own; RunLog prints ours
-    # DeepSpeed: the engine wraps model and optimizer: broadcast, gradient reduction, partitioning, loss scaling.
-    model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}  # DeepSpeed: our SGD; RunLog prints
+    model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)  # DeepSpeed
     return model, optimizer, train_loader, test_loader, lr
 
 
@@ -111,19 +108,19 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
 
 @torch.no_grad()
 def evaluate(cfg, model, amp, loader, device):
-    """Loss and accuracy over the whole test set."""
+    """Loss, accuracy and top-5 accuracy over the whole test set."""
     model.eval()
-    sums = torch.zeros(3, device=device)  # loss sum, correct, count
+    sums = torch.zeros(4, device=device)  # loss sum, correct, correct in the top 5, count
     for X, y in loader:
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cfg.channels_last:
             X = X.contiguous(memory_format=torch.channels_last)
         with amp.autocast():
             logits = model(X)
-        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"),
-                             (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
-    loss_sum, correct, count = sums.tolist()
-    return loss_sum / count, correct / count
+        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"), (logits.argmax(1) == y).sum(),
+                             top5_correct(logits, y), torch.tensor(len(y), device=device)])
+    loss_sum, correct, correct5, count = sums.tolist()
+    return loss_sum / count, correct / count, correct5 / count
 
 
 def main(cfg: TrainConfig) -> dict:
@@ -149,16 +146,20 @@ def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, 
             cfg, model, optimizer, amp, train_loader, device, epoch, peak_lr, state, log)
         train_loss = all_reduce_mean(train_loss, device)  # DeepSpeed: the loss over all ranks' samples
         samples_per_second *= world.world_size  # DeepSpeed: every rank processes its own samples at the same time
-        test_loss, test_accuracy = evaluate(cfg, model, amp, test_loader, device)
+        test_loss, test_accuracy, test_top5 = evaluate(cfg, model, amp, test_loader, device)
         log.epoch(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss, test_accuracy=test_accuracy,
                        samples_per_second=samples_per_second, epoch_seconds=seconds,
                        lr=optimizer.param_groups[0]["lr"], skipped_steps=model.skipped_steps), state.step)  # DeepSpeed
+        log.metrics["test_top5_accuracy"] = test_top5  # seed 001: the label among the 5 highest scores
         state.epoch = epoch + 1
         sharded_checkpoint.save_deepspeed(cfg, model, state)  # DeepSpeed: every rank writes its own partitions
         if cfg.max_steps and state.step >= cfg.max_steps:
             break
         if cfg.target_accuracy and test_accuracy >= cfg.target_accuracy:
             log.print(f"target accuracy {cfg.target_accuracy} reached after epoch {epoch}")
+            break
+        if patience_exhausted(cfg, log.metrics["epochs"]):  # seed 000: stop when the test loss stops improving
+            log.print(f"no lower test loss for {cfg.patience} epochs: stopped after epoch {epoch}")
             break
     with deepspeed.zero.GatheredParameters(list(model.module.parameters())):  # DeepSpeed: ZeRO-3 holds slices
         digests = replica_checksums(model.module)  # DeepSpeed: every rank's digest of the whole model

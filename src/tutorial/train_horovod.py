@@ -23,6 +23,7 @@ from .core import checkpoint, tracking
 from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader, shard  # Horovod: shard
 from .core.distributed import pick_device  # Horovod
+from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model, checksum
 from .core.optim import build_optimizer, lr_at, scaled_lr, set_lr  # Horovod: scaled_lr
 from .core.precision import Precision
@@ -87,20 +88,20 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
 
 @torch.no_grad()
 def evaluate(cfg, model, amp, loader, device):
-    """Loss and accuracy over the whole test set."""
+    """Loss, accuracy and top-5 accuracy over the whole test set."""
     model.eval()
-    sums = torch.zeros(3, device=device)  # loss sum, correct, count
+    sums = torch.zeros(4, device=device)  # loss sum, correct, correct in the top 5, count
     for X, y in loader:
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cfg.channels_last:
             X = X.contiguous(memory_format=torch.channels_last)
         with amp.autocast():
             logits = model(X)
-        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"),
-                             (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
+        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"), (logits.argmax(1) == y).sum(),
+                             top5_correct(logits, y), torch.tensor(len(y), device=device)])
     sums = hvd.allreduce(sums, op=hvd.Sum, name="eval_sums")  # Horovod: step 8, sum over all ranks' shards
-    loss_sum, correct, count = sums.tolist()
-    return loss_sum / count, correct / count
+    loss_sum, correct, correct5, count = sums.tolist()
+    return loss_sum / count, correct / count, correct5 / count
 
 
 def main(cfg: TrainConfig) -> dict:
@@ -122,10 +123,11 @@ def main(cfg: TrainConfig) -> dict:
             cfg, model, optimizer, amp, train_loader, device, epoch, peak_lr, state, log)
         train_loss = hvd.allreduce(torch.tensor(train_loss), name="train_loss").item()  # Horovod: step 8, average
         samples_per_second *= hvd.size()  # Horovod: every rank processes its own samples at the same time
-        test_loss, test_accuracy = evaluate(cfg, model, amp, test_loader, device)
+        test_loss, test_accuracy, test_top5 = evaluate(cfg, model, amp, test_loader, device)
         log.epoch(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss, test_accuracy=test_accuracy,
                        samples_per_second=samples_per_second, epoch_seconds=seconds,
                        lr=optimizer.param_groups[0]["lr"], skipped_steps=amp.skipped_steps), state.step)
+        log.metrics["test_top5_accuracy"] = test_top5  # seed 001: the label among the 5 highest scores
         state.epoch = epoch + 1
         if hvd.rank() == 0:  # Horovod: step 7, checkpoints from rank 0 only
             checkpoint.save(cfg, model, optimizer, amp.scaler, state)  # Horovod
@@ -133,6 +135,9 @@ def main(cfg: TrainConfig) -> dict:
             break
         if cfg.target_accuracy and test_accuracy >= cfg.target_accuracy:
             log.print(f"target accuracy {cfg.target_accuracy} reached after epoch {epoch}")
+            break
+        if patience_exhausted(cfg, log.metrics["epochs"]):  # seed 000: stop when the test loss stops improving
+            log.print(f"no lower test loss for {cfg.patience} epochs: stopped after epoch {epoch}")
             break
     digests = hvd.allgather_object(checksum(model))  # Horovod: every rank's digest, to prove the replicas agree
     return log.finish(steps=state.step, replica_checksums=digests, replicas_identical=len(set(digests)) == 1)

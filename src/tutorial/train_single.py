@@ -15,6 +15,7 @@ from torch.utils.data import RandomSampler
 from .core import checkpoint, tracking
 from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader
+from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model, checksum
 from .core.optim import build_optimizer, lr_at, set_lr
 from .core.precision import Precision
@@ -73,19 +74,19 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
 
 @torch.no_grad()
 def evaluate(cfg, model, amp, loader, device):
-    """Loss and accuracy over the whole test set."""
+    """Loss, accuracy and top-5 accuracy over the whole test set."""
     model.eval()
-    sums = torch.zeros(3, device=device)  # loss sum, correct, count
+    sums = torch.zeros(4, device=device)  # loss sum, correct, correct in the top 5, count
     for X, y in loader:
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cfg.channels_last:
             X = X.contiguous(memory_format=torch.channels_last)
         with amp.autocast():
             logits = model(X)
-        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"),
-                             (logits.argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
-    loss_sum, correct, count = sums.tolist()
-    return loss_sum / count, correct / count
+        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"), (logits.argmax(1) == y).sum(),
+                             top5_correct(logits, y), torch.tensor(len(y), device=device)])
+    loss_sum, correct, correct5, count = sums.tolist()
+    return loss_sum / count, correct / count, correct5 / count
 
 
 def main(cfg: TrainConfig) -> dict:
@@ -101,16 +102,20 @@ def main(cfg: TrainConfig) -> dict:
         train_loader.sampler.generator.manual_seed(cfg.seed + epoch)
         train_loss, samples_per_second, seconds = train_one_epoch(
             cfg, model, optimizer, amp, train_loader, device, epoch, peak_lr, state, log)
-        test_loss, test_accuracy = evaluate(cfg, model, amp, test_loader, device)
+        test_loss, test_accuracy, test_top5 = evaluate(cfg, model, amp, test_loader, device)
         log.epoch(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss, test_accuracy=test_accuracy,
                        samples_per_second=samples_per_second, epoch_seconds=seconds,
                        lr=optimizer.param_groups[0]["lr"], skipped_steps=amp.skipped_steps), state.step)
+        log.metrics["test_top5_accuracy"] = test_top5  # seed 001: the label among the 5 highest scores
         state.epoch = epoch + 1
         checkpoint.save(cfg, model, optimizer, amp.scaler, state)
         if cfg.max_steps and state.step >= cfg.max_steps:
             break
         if cfg.target_accuracy and test_accuracy >= cfg.target_accuracy:
             log.print(f"target accuracy {cfg.target_accuracy} reached after epoch {epoch}")
+            break
+        if patience_exhausted(cfg, log.metrics["epochs"]):  # seed 000: stop when the test loss stops improving
+            log.print(f"no lower test loss for {cfg.patience} epochs: stopped after epoch {epoch}")
             break
     digests = [checksum(model)]
     return log.finish(steps=state.step, replica_checksums=digests, replicas_identical=len(set(digests)) == 1)

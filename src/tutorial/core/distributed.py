@@ -107,6 +107,9 @@ def rendezvous(world: World) -> None:
     os.environ.setdefault("MASTER_PORT", str(port))
 
 
+_chosen: tuple[str, str] | None = None  # the MASTER_ADDR and MASTER_PORT that rendezvous() chose, not a launcher
+
+
 class RendezvousTimeout(TimeoutError):
     """Not every rank arrived (or rank 0 could not be reached) within the timeout; the message names who is missing."""
 
@@ -122,7 +125,14 @@ def init_process_group(world: World, device: torch.device, timeout: float = 300.
         raise ConfigError(f"{world.local_world_size} processes on this node but {torch.cuda.device_count()} GPU(s): "
                           "NCCL cannot put two ranks on one GPU; start at most one process per GPU, or use "
                           "--backend gloo (slower) to share GPUs")
+    global _chosen
+    if (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")) == _chosen:
+        # Our own choice for an earlier run in this process (a notebook kernel): its store may still hold the port.
+        del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    given = "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
     rendezvous(world)
+    if not given:
+        _chosen = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
     store = meet(world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
     dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.world_size,
                             timeout=datetime.timedelta(seconds=timeout))

@@ -77,6 +77,7 @@ class RunRecord(L.Callback):
                             test_loss=m["test_loss"].item(), test_accuracy=m["test_accuracy"].item(),
                             samples_per_second=self.samples * self.world_size / seconds, epoch_seconds=seconds,
                             lr=trainer.optimizers[0].param_groups[0]["lr"], skipped_steps=0), trainer.global_step)
+        self.run_log.metrics["test_top5_accuracy"] = m["test_top5_accuracy"].item()  # beside test_accuracy
 
     def state_dict(self):
         return {"history": self.run_log.metrics["epochs"]}

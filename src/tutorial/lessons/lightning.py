@@ -3,11 +3,16 @@ exercises' checkers and solutions. The Lightning code itself stays in the notebo
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from ..core.config import TrainConfig
+
+# A Trainer asks mpi4py whether it runs under MPI, which starts Open MPI in this kernel as a "singleton" with a
+# helper daemon (orted) that would outlive the lesson; isolated singletons start none.
+os.environ.setdefault("OMPI_MCA_ess_singleton_isolated", "1")
 
 
 # ------------------------------------------------------------------------------------------------------ seed 000
@@ -61,7 +66,9 @@ def _tiny_fit(module_cls, steps: int = 3):
     module.training_step = spy
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(module, loader)
+    with warnings.catch_warnings():  # Lightning's warnings name files of this machine; the checker explains instead
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
     return torch.cat([p.detach().reshape(-1) for p in module.model.parameters()]), returned, \
         dict(trainer.callback_metrics)
 

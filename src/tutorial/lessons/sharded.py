@@ -2,10 +2,13 @@
 as one parameter vector, the ZeRO arithmetic, and the exercises' checkers and solutions."""
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import os
 import re
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +17,9 @@ from ..core.config import TrainConfig
 from ..core.distributed import teardown
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+
+# Loading a DCP checkpoint without a process group is what notebook 09 does on purpose; torch warns about it.
+warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
 
 
 # ------------------------------------------------------------------------------------------------- memory per rank
@@ -122,7 +128,8 @@ def load_parameters(out: str) -> dict[str, torch.Tensor]:
     if os.path.isfile(os.path.join(ckpt, "latest")):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        return get_fp32_state_dict_from_zero_checkpoint(ckpt)  # the fp32 partitions of every rank, stitched
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress
+            return get_fp32_state_dict_from_zero_checkpoint(ckpt)  # the fp32 partitions of every rank, stitched
     raise FileNotFoundError(f"no checkpoint in {out!r}")
 
 
@@ -238,7 +245,8 @@ def launch(stage: str, cfg: TrainConfig, out: str, launcher: str = "torchrun", n
         cmd = [_tool("deepspeed"), "--num_gpus", str(nproc), "--no_local_rank", "--module", program[1], *program[2:]]
     else:
         raise ValueError(f"launcher {launcher!r} is not one of: torchrun, mpirun, deepspeed")
-    print("$ " + display(cmd).replace(sys.executable, "python"), flush=True)
+    shown = ["deepspeed", *cmd[1:]] if launcher == "deepspeed" else cmd
+    print("$ " + display(shown).replace(sys.executable, "python"), flush=True)
     run = start(cmd, out=out, timeout=timeout, check=False,
                 env=launcher_env(threads=threads_per_process(nproc), cpu=True, DS_ACCELERATOR="cpu"))
     if not run.ok:
