@@ -13,9 +13,11 @@ BIN := $(VENV)/bin
 # Strict nbval exactly as users type it; notebooks/conftest.py pins the preset the stored outputs were made with and
 # the sanitizer, so the Makefile adds nothing but the cell timeout.
 NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_TIMEOUT)
-# The second lane: every notebook top to bottom with the workshop preset's code paths on a CPU (workshop-cpu), every
-# assert holding, outputs not compared (they differ from the stored smoke outputs by design).
-WORKSHOP_LANE = TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax notebooks/ \
+# The second lane: the notebooks top to bottom with the workshop preset's code paths on a CPU (workshop-cpu), every
+# assert holding, outputs not compared (they differ from the stored smoke outputs by design). Left out: 06, whose
+# launches pin the smoke preset (the strict lane runs them), and 08/09, not yet verified under workshop-cpu.
+LANE_NOTEBOOKS ?= $(filter-out notebooks/06_% notebooks/08_% notebooks/09_%,$(wildcard notebooks/[0-9][0-9]_*.ipynb))
+WORKSHOP_LANE = TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax $(LANE_NOTEBOOKS) \
 	--nbval-cell-timeout $(NBVAL_TIMEOUT)
 
 .PHONY: help install lab test unit nbval workshop-lane notebooks slides bench gpu-check doctor clean check-vars
