@@ -151,6 +151,8 @@ def compare(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="measured steps per run (default 100)")
     parser.add_argument("--repeats", type=int, default=10, help="runs of each, alternating (default 10)")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds all runs of one stage may take")
+    parser.add_argument("--calibrate", action="store_true", help="time the bare loop against itself (A/A): the "
+                                                                  "spread and bias that noise alone gives")
     parser.add_argument("--results-dir", default="results")
     args = parser.parse_args(argv)
     # The launched processes import this file as the module bare_loop (cloudpickle, which horovod.run uses, would
@@ -187,8 +189,9 @@ def compare(argv=None) -> int:
     summary_lines = []
     for stage in stages:
         nproc = 1 if stage == "single" else args.nproc
+        trainer = f"{stage}, bare loop against itself" if args.calibrate else stage
         job = dict(stage=stage, cfg=cfg.to_dict(), shape=shape, warmup=args.warmup, steps=args.steps,
-                   repeats=args.repeats, threads=args.threads)
+                   repeats=args.repeats, threads=args.threads, calibrate=args.calibrate)
         launch = bench.launch_horovod if stage == "horovod" else bench.launch
         print(f"{stage}: {args.repeats} runs of each, alternating, in {nproc} process(es)", flush=True)
         sides = launch(this._pairs, job, nproc, args.timeout)
@@ -199,15 +202,16 @@ def compare(argv=None) -> int:
         ratio = {key: [t / b for t, b in zip(sides["trainer"][key], sides["bare"][key]) if b]
                  for key in ("median", "mean", "fastest", "cpu")}
         r = statistics.median(ratio["median"])
-        line = (f"{stage:8s} x{nproc}: trainer {statistics.median(sides['trainer']['median']) * 1000:.3f} ms/step, "
-                f"bare {statistics.median(sides['bare']['median']) * 1000:.3f} ms/step, ratio {r:.3f} "
-                f"[{min(ratio['median']):.3f}-{max(ratio['median']):.3f}] over {args.repeats} ABBA runs, fastest-step "
-                f"ratio {statistics.median(ratio['fastest']):.3f}"
+        medians = {side: statistics.median(sides[side]["median"]) * 1000 for side in ("bare", "trainer")}
+        line = (f"{trainer} x{nproc}: {'bare again' if args.calibrate else 'trainer'} {medians['trainer']:.3f} "
+                f"ms/step, bare {medians['bare']:.3f} ms/step, ratio {r:.3f} [{min(ratio['median']):.3f}-"
+                f"{max(ratio['median']):.3f}] over {args.repeats} ABBA runs, fastest-step ratio "
+                f"{statistics.median(ratio['fastest']):.3f}"
                 + (f", CPU-time ratio {statistics.median(ratio['cpu']):.3f}" if ratio["cpu"] else "")
                 + f": {'meets' if r <= OVERHEAD_GOAL else 'misses'} <= {OVERHEAD_GOAL}")
         print(line, flush=True)
         summary_lines.append(line)
-        params = dict(shape, trainer=stage, nproc=nproc, preset=cfg.preset_name, dataset=cfg.dataset,
+        params = dict(shape, trainer=trainer, nproc=nproc, preset=cfg.preset_name, dataset=cfg.dataset,
                       threads=sides["threads"], device="cuda" if torch.cuda.is_available() else "cpu",
                       warmup_steps=args.warmup, measured_steps=args.steps, repeats=args.repeats,
                       order=f"ABBA in the same {nproc} process(es); rank 0's step times")
@@ -239,7 +243,7 @@ def _pairs(job: dict, rank: int, nproc: int) -> dict:
     sides = {side: dict(median=[], mean=[], fastest=[], cpu=[]) for side in ("bare", "trainer")}
     for i in range(job["repeats"]):
         for side in ("bare", "trainer") if i % 2 == 0 else ("trainer", "bare"):
-            if side == "bare":
+            if side == "bare" or job["calibrate"]:
                 seconds, cpu = bare_loop(stage, **job["shape"], warmup=job["warmup"], steps=job["steps"])
             else:
                 run = bench.measure_run(stage, cfg, job["warmup"], job["steps"])

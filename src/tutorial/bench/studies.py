@@ -124,8 +124,8 @@ def train(args, command: list) -> int:
         sps = results["samples_per_second"]
         rows.append({"strategy": p.label, "nproc": p.nproc, "model": p.model, "precision": p.precision,
                      "batch": p.batch_size, "global": p.batch_size * p.ranks,
-                     "samples/s": f"{sps['median']:.0f}", "min": f"{sps['min']:.0f}",
-                     "max": f"{sps['max']:.0f}", "spread": f"{(sps['max'] - sps['min']) / sps['median']:.1%}",
+                     "samples/s": f"{sps['median']:.1f}", "min": f"{sps['min']:.1f}",
+                     "max": f"{sps['max']:.1f}", "spread": f"{(sps['max'] - sps['min']) / sps['median']:.1%}",
                      "step ms": f"{results['step_seconds']['median'] * 1000:.2f}"})
     print_table(rows)
     print(f"appended {len(rows)} line(s) to {path}")
@@ -251,7 +251,7 @@ def scaling(args, command: list) -> int:
               f"{'batch %d per process' % batch if mode == 'weak' else 'global batch %d' % batch}, "
               f"one process per {device}")
         print_table([{"nproc": r["nproc"], "batch/proc": r["batch_size"], "global": r["global_batch_size"],
-                      "samples/s": f"{r['samples_per_second']:.0f}", "speed-up": f"{r['speedup']:.2f}",
+                      "samples/s": f"{r['samples_per_second']:.1f}", "speed-up": f"{r['speedup']:.2f}",
                       "efficiency": f"{r['efficiency']:.0%}", "step ms": f"{r['step_seconds']['median'] * 1000:.2f}"}
                      for r in rows])
         if parts:
