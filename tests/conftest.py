@@ -71,3 +71,21 @@ def have_horovod() -> bool:
 
 needs_mpi = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
 needs_horovod = pytest.mark.skipif(not have_horovod(), reason="Horovod not built (run make install)")
+
+
+def exercise_cell(notebook: str, heading: str) -> str:
+    """The source of the code cell an exercise starts from (the first code cell after its `### Exercise N` heading),
+    exactly as the learner finds it in notebooks/<notebook>.ipynb."""
+    path = ROOT / "notebooks" / f"{notebook}.ipynb"
+    cells = json.loads(path.read_text())["cells"]
+    start = next(i for i, c in enumerate(cells) if "".join(c["source"]).startswith(heading))
+    return "".join(next(c for c in cells[start:] if c["cell_type"] == "code")["source"])
+
+
+def skeleton(notebook: str, heading: str, name: str | None = None):
+    """What the exercise's code cell defines, unedited: the function (or class) called `name`, or the first one."""
+    namespace: dict = {}
+    exec(compile(exercise_cell(notebook, heading), f"{notebook}.ipynb", "exec"), namespace)
+    if name:
+        return namespace[name]
+    return next(v for k, v in namespace.items() if callable(v) and not k.startswith("__"))

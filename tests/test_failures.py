@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from conftest import PYTHON, ROOT, env, run, train_cmd
+from conftest import skeleton as notebook_skeleton
 from test_bad_input import assert_one_line_error
 
 from tutorial.core.process import free_port
@@ -138,18 +139,8 @@ def test_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
 
 
 # ------------------------------------------------------------------------------- 10_when_things_go_wrong's exercises
-NOTEBOOK = ROOT / "notebooks" / "10_when_things_go_wrong.ipynb"
-
-
 def skeleton(heading: str):
-    """The function an exercise's first code cell defines, exactly as the learner finds it in the notebook."""
-    import json
-    cells = json.loads(NOTEBOOK.read_text())["cells"]
-    start = next(i for i, c in enumerate(cells) if "".join(c["source"]).startswith(heading))
-    source = "".join(next(c for c in cells[start:] if c["cell_type"] == "code")["source"])
-    namespace = {}
-    exec(compile(source, str(NOTEBOOK), "exec"), namespace)
-    return next(v for k, v in namespace.items() if callable(v) and not k.startswith("__"))
+    return notebook_skeleton("10_when_things_go_wrong", heading)
 
 
 @pytest.fixture(scope="module")
