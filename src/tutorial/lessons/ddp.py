@@ -214,3 +214,329 @@ def max_difference(out_a: str, out_b: str) -> float:
     b, _ = load_checkpoint(out_b)
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
+
+
+# ------------------------------------------------------------------------- the overlap, from a profiler trace
+def backward_timeline(prof) -> list[dict]:
+    """From a torch.profiler trace of one DDP backward: the backward ops (main thread) and each bucket's all-reduce,
+    as rows {lane, what, start_ms, end_ms} with times from the first backward op.
+
+    A bucket's row spans from DDP handing it to the comm hook (the `record_function("all-reduce bucket i")` range)
+    to the end of the collective's own event (`gloo:all_reduce` or `nccl:all_reduce`, run by the backend on its
+    own thread, in launch order)."""
+    import re
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    prefix = "autograd::engine::evaluate_function: "
+    backward = [e for e in events if e.name.startswith(prefix)]
+    launches = [e for e in events if e.name.startswith("all-reduce bucket ")]
+    collectives = [e for e in events if re.fullmatch(r"(gloo|nccl):all_reduce", e.name)]
+    t0 = backward[0].time_range.start
+    rows = [{"lane": "backward", "what": e.name[len(prefix):].removesuffix("Backward0"),
+             "start_ms": (e.time_range.start - t0) / 1e3, "end_ms": (e.time_range.end - t0) / 1e3} for e in backward]
+    for i, launch in enumerate(launches):
+        end = collectives[i].time_range.end if i < len(collectives) else launch.time_range.end
+        rows.append({"lane": launch.name.removeprefix("all-reduce "), "what": "all-reduce",
+                     "start_ms": (launch.time_range.start - t0) / 1e3, "end_ms": (end - t0) / 1e3})
+    return rows
+
+
+def draw_timeline(rows: list[dict], ax=None):
+    """A Gantt chart of backward_timeline's rows: backward ops on one lane, each bucket's all-reduce on its own."""
+    import matplotlib.pyplot as plt
+    lanes = list(dict.fromkeys(r["lane"] for r in rows))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.6 + 0.55 * len(lanes)), layout="constrained")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for r in rows:
+        y = lanes.index(r["lane"])
+        ax.barh(y, r["end_ms"] - r["start_ms"], left=r["start_ms"], height=0.6, color=colors[min(y, 1) + (y > 1)],
+                edgecolor="black", linewidth=0.3)
+        if r["lane"] == "backward" and r["end_ms"] - r["start_ms"] > 0.05 * max(x["end_ms"] for x in rows):
+            ax.text((r["start_ms"] + r["end_ms"]) / 2, y, r["what"], ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.invert_yaxis()
+    ax.set(xlabel="time since backward started (ms)", title="One DDP backward on rank 0: buckets all-reduced while "
+                                                            "backward goes on")
+    return ax.figure
+
+
+# ------------------------------------------------------------------------------------------------------- exercises
+def in_group(fn, *args, seconds: float = 10.0):
+    """On an engine: fn(*args) in a fresh gloo group whose collectives give up after `seconds`.
+    Returns ("ok", value) or ("error", "<Type>: <first line>")."""
+    import datetime
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
+    try:
+        return "ok", fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything; the verdict names it
+        lines = str(exc).strip().splitlines()
+        return "error", f"{type(exc).__name__}: {lines[0][:120] if lines else ''}"
+    finally:
+        dist.destroy_process_group()
+
+
+def _errors(results) -> str | None:
+    for rank, (status, value) in enumerate(results):
+        if status == "error":
+            return f"rank {rank} failed ({value})"
+    return None
+
+
+# Exercise 1: set_epoch
+def check_epoch_orders(epoch_orders, world_size: int = 2, epochs: int = 3, n: int = 20) -> str:
+    """epoch_orders(rank, world_size, epochs) must return the samples the rank reads in each epoch, with a new
+    shuffle every epoch (DistributedSampler(range(20), seed=0) with set_epoch). Runs here, no process group."""
+    from torch.utils.data.distributed import DistributedSampler
+    orders = [epoch_orders(rank, world_size, epochs) for rank in range(world_size)]
+    for rank, o in enumerate(orders):
+        if not isinstance(o, list) or len(o) != epochs:
+            return f"wrong: rank {rank} returned {o!r:.80}; expected a list of {epochs} lists, one per epoch"
+    for epoch in range(epochs):
+        together = sorted(i for o in orders for i in o[epoch])
+        if together != list(range(n)):
+            return (f"wrong: in epoch {epoch} the ranks together read {together}, not every one of the {n} samples "
+                    f"once: keep the sampler's num_replicas and rank")
+    if all(o[e] == o[0] for o in orders for e in range(epochs)):
+        return (f"wrong: rank 0 reads {orders[0][0]} in every epoch, the same samples in the same order: call "
+                f"sampler.set_epoch(epoch) at the start of every epoch, the shuffle is seeded with seed + epoch")
+    for rank in range(world_size):
+        sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            if orders[rank][epoch] != list(sampler):
+                return (f"wrong: rank {rank}'s epoch {epoch} reads {orders[rank][epoch]}, not the order "
+                        f"set_epoch({epoch}) gives, {list(sampler)}: call set_epoch(epoch) once, before the epoch")
+    return f"correct: a new shuffle every epoch, and the {world_size} ranks together read all {n} samples once per epoch"
+
+
+def solution_epoch_orders(rank, world_size, epochs):
+    from torch.utils.data.distributed import DistributedSampler
+    sampler = DistributedSampler(range(20), num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    orders = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)  # the shuffle of this epoch: seed + epoch
+        orders.append(list(sampler))
+    return orders
+
+
+# Exercise 2: rank 0 writes the checkpoint
+def _checkpoint_trial(save_checkpoint, path: str) -> dict:
+    """On an engine, in a group: a DDP model, then save_checkpoint(model, path), counting this rank's torch.save."""
+    import os
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 2))
+    writes, real_save = [], torch.save
+
+    def counting_save(obj, f, *args, **kwargs):
+        writes.append(str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = counting_save
+    try:
+        save_checkpoint(model, path)
+    finally:
+        torch.save = real_save
+    return {"writes": len(writes), "exists_on_return": os.path.exists(path)}
+
+
+def check_checkpoint(cluster, save_checkpoint) -> str:
+    """Exercise 2: every rank calls save_checkpoint(model, path) with a DDP-wrapped nn.Linear(4, 2) and the same
+    path; rank 0 alone must write it (torch.save), every rank must return only once it exists, and the file must
+    load into the unwrapped model."""
+    import os
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(prefix="tutorial-ex2-"), "checkpoint.pt")
+    cluster.run(in_group, _checkpoint_trial, save_checkpoint, path, seconds=10.0)
+    failed = _errors(cluster.results)
+    if failed:
+        return (f"wrong: {failed}: a collective such as dist.barrier() inside `if rank == 0` waits for the other "
+                "ranks in vain; call it on every rank, after the if")
+    results = [value for _, value in cluster.results]
+    writers = [rank for rank, r in enumerate(results) if r["writes"]]
+    if len(writers) > 1:
+        return (f"wrong: ranks {', '.join(map(str, writers))} all wrote {os.path.basename(path)}: the replicas are "
+                "identical, so write once, `if dist.get_rank() == 0:`; N writers on one path can interleave and "
+                "corrupt it, and multiply the I/O on a shared file system")
+    if not writers:
+        return "wrong: no rank called torch.save: rank 0 should save model.module.state_dict()"
+    if writers != [0]:
+        return f"wrong: rank {writers[0]} wrote the checkpoint; by convention rank 0 writes, the one that always exists"
+    early = [rank for rank, r in enumerate(results) if not r["exists_on_return"]]
+    if early:
+        return (f"wrong: rank {early[0]} returned before the checkpoint existed: add dist.barrier() after the if, so "
+                "that no rank goes on (and reads or resumes from it) before rank 0 has written it")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
+        state = state["model"]
+    if any(k.startswith("module.") for k in state):
+        return ("wrong: the keys start with 'module.' (DDP's wrapper): save model.module.state_dict(), the unwrapped "
+                "model, so one process can load it without DDP")
+    try:
+        torch.nn.Linear(4, 2).load_state_dict(state)
+    except (RuntimeError, TypeError, AttributeError) as exc:
+        return f"wrong: the file does not load into the model ({str(exc).splitlines()[0][:100]})"
+    return "correct: rank 0 alone wrote the unwrapped model, and every rank returned once it was there"
+
+
+def solution_save_checkpoint(model, path):
+    import torch
+    import torch.distributed as dist
+    if dist.get_rank() == 0:  # one writer: the replicas are identical
+        torch.save(model.module.state_dict(), path)  # the unwrapped model, no "module." prefix
+    dist.barrier()  # every rank, outside the if: nobody goes on before the file exists
+
+
+# Exercise 3: gradient accumulation with no_sync
+MICRO_BATCHES = 4
+
+
+def _micro_batches(rank: int) -> list:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(MICRO_BATCHES)]
+
+
+def _accumulation_trial(accumulate) -> dict:
+    """On an engine, in a group: accumulate(model, optimizer, micro_batches) on a DDP nn.Linear(8, 4), counting
+    the all-reduces with a comm hook (one bucket: one call per synchronised backward)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as hooks
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 4)
+    model = DDP(net)
+    calls = []
+
+    def counting_allreduce(state, bucket):
+        calls.append(bucket.index())
+        return hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting_allreduce)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    accumulate(model, optimizer, _micro_batches(dist.get_rank()))
+    return {"allreduces": len(calls), "weight": torch.cat([p.detach().reshape(-1) for p in net.parameters()])}
+
+
+def _accumulation_reference(world_size: int) -> torch.Tensor:
+    """One process: the same step from every rank's micro-batches, each loss divided by the number of
+    micro-batches, the gradient averaged over the ranks."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+    for rank in range(world_size):
+        for X, y in _micro_batches(rank):
+            (torch.nn.functional.cross_entropy(net(X), y) / MICRO_BATCHES / world_size).backward()
+    optimizer.step()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def check_accumulation(cluster, accumulate) -> str:
+    """Exercise 3: one optimizer step from 4 micro-batches per rank, with one all-reduce, equal to the averaged
+    accumulated gradient."""
+    cluster.run(in_group, _accumulation_trial, accumulate, seconds=10.0)
+    failed = _errors(cluster.results)
+    if failed:
+        return f"wrong: {failed}"
+    results = [value for _, value in cluster.results]
+    counts = [r["allreduces"] for r in results]
+    if counts[0] > 1:
+        return (f"wrong: {counts[0]} all-reduces for one optimizer step over {MICRO_BATCHES} micro-batches: DDP "
+                "averages the gradients after every backward; run every backward but the last inside "
+                "`with model.no_sync():`, so the gradients add up locally and are all-reduced once")
+    if counts[0] == 0:
+        return ("wrong: no all-reduce at all, so every replica stepped with its own gradients and they drift apart: "
+                "the last micro-batch's backward must run outside no_sync()")
+    if any(not torch.equal(r["weight"], results[0]["weight"]) for r in results):
+        return "wrong: one all-reduce, but the replicas differ after the step: every rank must call backward equally"
+    expected = _accumulation_reference(len(results))
+    if not torch.allclose(results[0]["weight"], expected, atol=1e-6):
+        return ("wrong: one all-reduce, but not the step of the averaged accumulated gradient: divide each "
+                "micro-batch's loss by the number of micro-batches, and zero_grad/step once around the loop")
+    return f"correct: one all-reduce for {MICRO_BATCHES} micro-batches, and the step of their averaged gradient"
+
+
+def solution_accumulate(model, optimizer, micro_batches):
+    from contextlib import nullcontext
+    import torch.nn.functional as F
+    optimizer.zero_grad()
+    for i, (X, y) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with nullcontext() if last else model.no_sync():  # no all-reduce until the last micro-batch
+            loss = F.cross_entropy(model(X), y) / len(micro_batches)
+            loss.backward()
+    optimizer.step()
+
+
+# Exercise 4: metrics averaged over the ranks
+def _shard_losses(rank: int) -> tuple:
+    """(loss sum, sample count) of rank r's shard: rank 0 read 4 samples with mean 1.5, rank 1 2 with mean 3."""
+    return [(6.0, 4), (6.0, 2)][rank % 2]
+
+
+def _epoch_loss_trial(epoch_loss):
+    return float(epoch_loss(*_shard_losses(dist.get_rank())))
+
+
+def check_epoch_loss(cluster, epoch_loss) -> str:
+    """Exercise 4: rank 0's loss sum 6 over 4 samples, rank 1's 6 over 2; every rank must report 12 / 6 = 2."""
+    cluster.run(in_group, _epoch_loss_trial, epoch_loss, seconds=10.0)
+    failed = _errors(cluster.results)
+    if failed:
+        return f"wrong: {failed}"
+    values = [value for _, value in cluster.results]
+    sums = [_shard_losses(r) for r in range(len(values))]
+    expected = sum(s for s, _ in sums) / sum(c for _, c in sums)
+    mean_of_means = sum(s / c for s, c in sums) / len(sums)
+    if len(set(values)) > 1:
+        return (f"wrong: the ranks report {', '.join(f'{v:g}' for v in values)}: each reports the mean of its own "
+                f"shard; all_reduce the loss sum and the sample count, then divide, so every rank reports {expected:g}")
+    if abs(values[0] - mean_of_means) < 1e-9:
+        return (f"wrong: every rank reports {values[0]:g}, the mean of the ranks' means; rank 1 read fewer samples "
+                f"(a shorter last batch), so sum the losses and the counts separately and divide: {expected:g}")
+    if abs(values[0] - expected) > 1e-9:
+        return f"wrong: every rank reports {values[0]:g}; the mean over all samples is {expected:g}"
+    return f"correct: every rank reports {expected:g}, the mean over all {sum(c for _, c in sums)} samples"
+
+
+def solution_epoch_loss(loss_sum, count):
+    import torch
+    import torch.distributed as dist
+    sums = torch.tensor([loss_sum, count], dtype=torch.float64)
+    dist.all_reduce(sums)  # the sums over every rank, on every rank
+    return (sums[0] / sums[1]).item()
+
+
+# Capstone: notebooks/capstone/train_plain.py turned into DDP (solution: tutorial/lessons/capstone_ddp.py)
+CAPSTONE_ACCURACY = 0.85
+
+
+def check_capstone(out: str, world_size: int = 2) -> str:
+    """The result.json the capstone script wrote in out, launched with torchrun --nproc_per_node world_size."""
+    import json
+    import math
+    path = Path(out, "result.json")
+    if not path.exists():
+        return f"wrong: no {path}: the launch failed or the script wrote elsewhere; read the launch's output above"
+    r = json.loads(path.read_text())
+    if r.get("world_size") == 1:
+        return ("wrong: result.json says world size 1: torchrun started 2 copies of a single-process script, each "
+                "training alone on all the data. Join the process group (dist.init_process_group('gloo')) and "
+                "report dist.get_world_size()")
+    if r.get("world_size") != world_size:
+        return f"wrong: world size {r.get('world_size')}, expected {world_size} (--nproc_per_node {world_size})"
+    sums, seen = r.get("checksums", []), r.get("samples_seen", [])
+    if len(sums) != world_size or len(seen) != world_size:
+        return (f"wrong: result.json has {len(sums)} checksums and {len(seen)} sample counts for world size "
+                f"{world_size}: gather every rank's with dist.all_gather_object")
+    if len(set(sums)) > 1:
+        return (f"wrong: the replicas differ (checksums {', '.join(sums)}): wrap the model in DDP(model), so that "
+                "backward averages the gradients and every rank takes the same step")
+    full = r["epochs"] * r["train_size"]
+    if any(s >= full for s in seen):
+        return (f"wrong: each rank trained on all {r['train_size']} samples per epoch: give the DataLoader a "
+                "DistributedSampler(train_set) (instead of shuffle=True) and call set_epoch(epoch) every epoch")
+    share = r["epochs"] * math.ceil(r["train_size"] / world_size)
+    if any(s != share for s in seen):
+        return f"wrong: the ranks trained on {seen} samples; with a DistributedSampler each reads {share}"
+    if r["test_accuracy"] < CAPSTONE_ACCURACY:
+        return (f"wrong: test accuracy {r['test_accuracy']:.3f} < {CAPSTONE_ACCURACY}: with {world_size} ranks there "
+                f"are {world_size}x fewer steps per epoch; scale the learning rate by the world size")
+    return (f"correct: {world_size} ranks, identical replicas (checksum {sums[0]}), each rank read 1/{world_size} of "
+            f"the data, test accuracy {r['test_accuracy']:.3f} >= {CAPSTONE_ACCURACY}")
