@@ -1,18 +1,10 @@
-"""Demonstrations for notebook 05_horovod: what runs on every rank, launching the Horovod trainer with horovodrun
-or mpirun from a cell, and the table of seed 002's ThetaGPU results.
-
-The functions that run on the engines live in a module (as the trainers do) so that the notebook shows one line
-per demonstration; ipyparallel would also run a self-contained function defined in a notebook cell.
-"""
+"""Notebook 05_horovod: the table of seed 002's ThetaGPU results, the exercises' checkers and solutions, and the
+comparison table. The Horovod code itself is typed in the notebook's cells."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..core.config import TrainConfig
-from ..core.process import threads_per_process
-from ..launch import commands, processes
-from .measure import model_and_batch
 
 # Seed 002 (ALCF's Horovod + PyTorch workshop module on ThetaGPU, 8x A100 per node): seconds for 32 epochs.
 SEED_002_SECONDS = {  # GPUs: (cifar10, MNIST)
@@ -35,59 +27,145 @@ def seed002_scaling(dataset: str = "MNIST", max_gpus: int = 32) -> list[dict]:
     return rows
 
 
-# ------------------------------------------------------------------------------------------- run on the ranks
-def broadcast_demo(cfg: TrainConfig) -> dict:
-    """Step 5 on every rank: build the model with a different seed per rank (as if nobody had seeded), then
-    hvd.broadcast_parameters from rank 0. Returns every rank's weight digest before and after the broadcast."""
+# ------------------------------------------------------------------------------------------------ exercises
+def _on_rank(fn, inputs, seed: int = 0):
+    """On an MPI engine: hvd.init(), then fn(*inputs(rank, size)). Returns ("ok", value) or ("error", its line)."""
+    import horovod.torch as hvd
+    hvd.init()
+    try:
+        return "ok", fn(*inputs(hvd.rank(), hvd.size()))
+    except Exception as exc:  # noqa: BLE001 - the learner's mistake, reported by the checker
+        return "error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+
+BASE_LR = 0.1
+
+
+def _run(cluster, fn, inputs) -> str:
+    """cluster.run(_on_rank, fn, inputs), bounded; "" or the verdict for a rank that died or hung."""
+    from ..launch.engines import EngineTimeout, RankError
+    try:
+        cluster.run(_on_rank, fn, inputs, timeout=60)
+    except EngineTimeout as exc:
+        return (f"wrong: {str(exc).splitlines()[0][:160]} -- a collective that only some ranks call waits for the "
+                "others in vain: call every hvd collective on every rank")
+    except RankError as exc:
+        return f"wrong: {str(exc).splitlines()[0][:200]}"
+    return ""
+
+
+def _tiny_model(rank: int, size: int) -> tuple:
+    """A small model whose weights depend on the rank (as if nobody had seeded) and a plain SGD optimizer."""
+    torch.manual_seed(1000 + rank)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=BASE_LR, momentum=0.9)
+
+
+def _one_step(prepare) -> dict:
+    """On every rank: build _tiny_model, optimizer = prepare(model, optimizer), one training step on the rank's own
+    batch; report the optimizer's kind, its lr and the weights' digest after the step."""
     import horovod.torch as hvd
     from ..core.models import checksum
-    hvd.init()
-    model, _, _ = model_and_batch(cfg.replace(seed=cfg.seed + 1000 * hvd.rank()), batch_size=1, real=False)
-    before = hvd.allgather_object(checksum(model))
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    after = hvd.allgather_object(checksum(model))
-    return dict(rank=hvd.rank(), world_size=hvd.size(), before=before, after=after)
-
-
-def fp16_compression(cfg: TrainConfig) -> dict:
-    """What --fp16-allreduce does to one real gradient of the preset's model: hvd.Compression.fp16 casts it to
-    half precision before the all-reduce and back afterwards. Returns sizes and the rounding error it adds."""
-    import horovod.torch as hvd
-    model, X, y = model_and_batch(cfg, batch_size=cfg.batch_size, real=False)
+    model, optimizer = _tiny_model(hvd.rank(), hvd.size())
+    optimizer = prepare(model, optimizer)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return dict(kind=type(optimizer).__name__, distributed=False, lr=None, after=None)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    X, y = torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+    optimizer.zero_grad()
     F.cross_entropy(model(X), y).backward()
-    grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    sent, ctx = hvd.Compression.fp16.compress(grad)   # what travels over the network
-    received = hvd.Compression.fp16.decompress(sent, ctx)
-    return dict(parameters=grad.numel(), fp32_bytes=grad.numel() * grad.element_size(),
-                fp16_bytes=sent.numel() * sent.element_size(), sent_dtype=str(sent.dtype).replace("torch.", ""),
-                received_dtype=str(received.dtype).replace("torch.", ""),
-                relative_error=((received - grad).norm() / grad.norm()).item(),
-                flushed_to_zero=((received == 0) & (grad != 0)).float().mean().item())
+    optimizer.step()
+    distributed = hasattr(optimizer, "synchronize")  # hvd.DistributedOptimizer's class is made on the fly
+    return dict(kind=type(optimizer).__name__, distributed=distributed, lr=optimizer.param_groups[0]["lr"],
+                after=checksum(model))
 
 
-# -------------------------------------------------------------------------------------------- launchers
-LAUNCHERS = ("horovodrun", "mpirun")
+def check_prepare(cluster, prepare) -> str:
+    """Exercise 1: prepare(model, optimizer) must do steps 3-5 (scale the lr, DistributedOptimizer, broadcast);
+    every rank builds its model with its own seed, then one step, then the replicas must agree."""
+    failed = _run(cluster, _one_step, lambda rank, size: (prepare,))
+    if failed:
+        return failed
+    reports = cluster.results
+    for rank, (status, value) in enumerate(reports):
+        if status == "error":
+            return f"wrong: rank {rank} raised {value[:160]}"
+    seen = [value for _, value in reports]
+    problems = []
+    if not seen[0]["distributed"]:
+        problems.append(f"prepare returned a {seen[0]['kind']}, not hvd.DistributedOptimizer(optimizer, "
+                        "named_parameters=model.named_parameters()): nothing averages the gradients (step 4)")
+    if seen[0]["lr"] is not None and abs(seen[0]["lr"] - BASE_LR * cluster.n) > 1e-12:
+        problems.append(f"the learning rate is {seen[0]['lr']:g}, not {BASE_LR:g} x hvd.size() = "
+                        f"{BASE_LR * cluster.n:g}: the global batch is {cluster.n} times larger, so is the step (step 3)")
+    digests = [s["after"] for s in seen]
+    if seen[0]["distributed"] and len(set(digests)) > 1:
+        problems.append("after one step the replicas differ (weights " + ", ".join(
+            f"{d[:8]} on rank {r}" for r, d in enumerate(digests)) + "): every rank started from its own random "
+            "weights, and averaged gradients never make them equal; call hvd.broadcast_parameters("
+            "model.state_dict(), root_rank=0) and hvd.broadcast_optimizer_state(optimizer, root_rank=0) (step 5)")
+    if problems:
+        return "wrong: " + "; ".join(problems)
+    return (f"correct: lr {seen[0]['lr']:g} for {cluster.n} ranks, and after one step every replica holds "
+            f"the same weights ({digests[0][:8]})")
 
 
-def launch(launcher: str, cfg: TrainConfig, out: str, np: int = 2, extra: tuple = (),
-           timeout: float = 600) -> processes.Launch:
-    """Run train_horovod with `horovodrun -np N -H localhost:N --gloo` or `mpirun -np N -H localhost:N` (05_horovod).
+def _counts(rank: int, size: int) -> tuple:
+    """Rank r's shard of a test set: shards of different sizes (100, 150, 200, ...) and accuracies."""
+    return 90 - 20 * rank, 100 + 50 * rank
 
-    The command line carries cfg's preset name and `extra` flags (e.g. ("--fp16-allreduce",)); the other fields of
-    cfg are not passed. Uses tutorial.launch.processes.launch: Open MPI's root and oversubscription variables where
-    needed, a timeout, and no process left behind. The returned Launch holds rank 0's metrics.json.
-    """
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher {launcher!r} is not one of: {', '.join(LAUNCHERS)}")
-    hosts = f"localhost:{np}"
-    if launcher == "horovodrun":
-        # Gloo needs neither ssh nor an MPI launcher on one host; --mpi would run mpirun underneath.
-        command = commands.horovodrun_command(out, np, hosts, "--gloo", cfg.preset_name)
-    else:
-        command = commands.mpirun_command(out, np, hosts, "horovod", cfg.preset_name)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    env = processes.launcher_env(threads=threads_per_process(np), cpu=gpus < np)
-    return processes.launch(command + list(extra), out=out, timeout=timeout, env=env)
+
+def check_test_accuracy(cluster, test_accuracy) -> str:
+    """Exercise 2: every rank calls test_accuracy(correct, total) with its own shard's counts and must get the
+    accuracy over the whole test set."""
+    failed = _run(cluster, test_accuracy, _counts)
+    if failed:
+        return failed
+    counts = [_counts(r, cluster.n) for r in range(cluster.n)]
+    expected = sum(c for c, _ in counts) / sum(t for _, t in counts)
+    mean_of_shards = sum(c / t for c, t in counts) / cluster.n
+    got = []
+    for rank, (status, value) in enumerate(cluster.results):
+        if status == "error":
+            return f"wrong: rank {rank} raised {value[:160]}"
+        try:
+            got.append(float(value))
+        except (TypeError, ValueError):
+            return f"wrong: rank {rank} returned {value!r}, not a number"
+    if all(abs(g - c / t) < 1e-6 for g, (c, t) in zip(got, counts)):
+        return ("wrong: every rank returned its own shard's accuracy (" + ", ".join(
+            f"rank {r}: {g:.4f}" for r, g in enumerate(got)) + f"), not the test set's {expected:.4f}: "
+            "sum correct and total over the ranks with hvd.allreduce(..., op=hvd.Sum), then divide (step 8)")
+    if all(abs(g - mean_of_shards) < 1e-6 for g in got):
+        return (f"wrong: every rank returned {mean_of_shards:.4f}, the mean of the shards' accuracies; the shards "
+                f"differ in size, so the test set's accuracy is {expected:.4f}: sum the counts with op=hvd.Sum "
+                "and divide once")
+    wrong = [(r, g) for r, g in enumerate(got) if abs(g - expected) > 1e-6]
+    if wrong:
+        return (f"wrong: rank {wrong[0][0]} returned {wrong[0][1]:.4f}; every rank should get the test set's "
+                f"accuracy {expected:.4f}")
+    return f"correct: every rank got the test set's accuracy {expected:.4f}"
+
+
+# The solutions; tests/test_exercises_05.py checks that each checker accepts its solution and rejects the
+# skeleton the notebook starts from.
+def solution_prepare(model, optimizer):
+    import horovod.torch as hvd
+    for group in optimizer.param_groups:
+        group["lr"] *= hvd.size()  # step 3: a global batch size() times larger
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())  # step 4
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # step 5: rank 0's weights on every rank
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # and its optimizer state (when resuming)
+    return optimizer
+
+
+def solution_test_accuracy(correct, total):
+    import horovod.torch as hvd
+    sums = hvd.allreduce(torch.tensor([float(correct), float(total)]), op=hvd.Sum, name="accuracy_counts")
+    accuracy = (sums[0] / sums[1]).item()  # the test set's accuracy, the same on every rank
+    if hvd.rank() == 0:
+        print(f"test accuracy {accuracy:.4f}")
+    return accuracy
 
 
 def compare(runs: dict) -> list[dict]:

@@ -1,0 +1,60 @@
+"""05_horovod's exercises: each checker accepts the package's solution and rejects the notebook's unedited skeleton
+with the specific mistake, on two MPI engines (Horovod finds its ranks through MPI)."""
+import pytest
+
+from conftest import skeleton as notebook_skeleton
+
+pytest.importorskip("horovod.torch")
+
+
+def defined(source: str):
+    """A function defined outside any importable module, so that the engines receive it by value (as a notebook's)."""
+    namespace: dict = {}
+    exec(source, namespace)
+    return next(v for k, v in namespace.items() if callable(v) and not k.startswith("__"))
+
+
+def skeleton(heading: str):
+    return notebook_skeleton("05_horovod", heading)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from tutorial.launch import engines
+    with engines.start(n=2, engines="mpi", device="cpu", show=False) as c:
+        yield c
+
+
+def test_exercise_1_checker_accepts_the_solution_and_names_the_missing_broadcast_and_lr(cluster):
+    from tutorial.lessons import horovod as lesson
+    verdict = lesson.check_prepare(cluster, lesson.solution_prepare)
+    assert verdict.startswith("correct: lr 0.2 for 2 ranks"), verdict
+    verdict = lesson.check_prepare(cluster, skeleton("### Exercise 1"))
+    assert verdict.startswith("wrong: ") and "hvd.broadcast_parameters" in verdict and "replicas differ" in verdict
+    assert "learning rate is 0.1, not 0.1 x hvd.size() = 0.2" in verdict
+
+
+def test_exercise_1_checker_names_a_plain_optimizer(cluster):
+    from tutorial.lessons import horovod as lesson
+    verdict = lesson.check_prepare(cluster, defined("def prepare(model, optimizer):\n    return optimizer\n"))
+    assert verdict.startswith("wrong: prepare returned a SGD, not hvd.DistributedOptimizer"), verdict
+
+
+def test_exercise_2_checker_accepts_the_solution_and_names_the_unaveraged_metric(cluster):
+    from tutorial.lessons import horovod as lesson
+    assert lesson.check_test_accuracy(cluster, lesson.solution_test_accuracy) == \
+        "correct: every rank got the test set's accuracy 0.6400"
+    verdict = lesson.check_test_accuracy(cluster, skeleton("### Exercise 2"))
+    assert verdict.startswith("wrong: every rank returned its own shard's accuracy (rank 0: 0.9000, rank 1: 0.4667)")
+    assert "op=hvd.Sum" in verdict
+
+
+def test_exercise_2_checker_names_the_mean_of_the_shards(cluster):
+    from tutorial.lessons import horovod as lesson
+    mean_of_accuracies = defined(
+        "def test_accuracy(correct, total):\n"
+        "    import horovod.torch as hvd\n"
+        "    import torch\n"
+        "    return hvd.allreduce(torch.tensor(correct / total), name='mean_accuracy').item()\n")
+    verdict = lesson.check_test_accuracy(cluster, mean_of_accuracies)
+    assert verdict.startswith("wrong: every rank returned 0.6833, the mean of the shards' accuracies"), verdict
