@@ -1,5 +1,5 @@
 """Pieces the lesson helpers share: one seeded model and batch, a timed training step, device sync and a quiet
-stderr (01, 02, 04, 05)."""
+stderr (01, 02, 04, 05, and 07's engines); 07_scaling_study's exercises (checkers and solutions)."""
 from __future__ import annotations
 
 import contextlib
@@ -80,3 +80,102 @@ def step_seconds(model, X: torch.Tensor, y: torch.Tensor, precision: Precision, 
 
     timer = benchmark.Timer("step()", globals={"step": step}, num_threads=torch.get_num_threads())
     return timer.timeit(steps).mean
+
+
+# 07_scaling_study's exercises: the learner's function, run on fixed inputs, against the solution. Each verdict is
+# "correct: ..." or "wrong: ..." naming the mistake people make most with scaling numbers.
+
+# Measured-looking tables (nproc, batch per process, seconds per step): weak scaling keeps 32 per process, strong
+# scaling splits a global batch of 32.
+WEAK_TABLE = [dict(nproc=1, batch_per_process=32, step_s=0.0100), dict(nproc=2, batch_per_process=32, step_s=0.0110),
+              dict(nproc=4, batch_per_process=32, step_s=0.0125), dict(nproc=8, batch_per_process=32, step_s=0.0160)]
+STRONG_TABLE = [dict(nproc=1, batch_per_process=32, step_s=0.0100), dict(nproc=2, batch_per_process=16, step_s=0.0065),
+                dict(nproc=4, batch_per_process=8, step_s=0.0045)]
+
+
+def solution_scaling(rows: list[dict]) -> list[dict]:
+    """Speed-up and efficiency of every row against the first: throughput is summed over all processes."""
+    def throughput(r):
+        return r["nproc"] * r["batch_per_process"] / r["step_s"]  # samples/s of the whole job
+    base = rows[0]
+    out = []
+    for r in rows:
+        speedup = throughput(r) / throughput(base)
+        out.append(dict(nproc=r["nproc"], speedup=speedup, efficiency=speedup * base["nproc"] / r["nproc"]))
+    return out
+
+
+def _close(a, b, rel: float = 1e-6) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+def check_scaling(scaling) -> str:
+    """Run the learner's scaling(rows) on a weak and a strong table; name the mistake if the numbers are off."""
+    for name, table in (("weak", WEAK_TABLE), ("strong", STRONG_TABLE)):
+        try:
+            got = scaling([dict(r) for r in table])
+            got = [(float(g["speedup"]), float(g["efficiency"])) for g in got]
+        except Exception as exc:  # noqa: BLE001 - the learner's code may fail in any way
+            return f"wrong: scaling() failed on the {name}-scaling table: {type(exc).__name__}: {exc}"
+        want = [(r["speedup"], r["efficiency"]) for r in solution_scaling(table)]
+        if len(got) != len(want):
+            return f"wrong: {len(got)} rows for a {name}-scaling table of {len(want)}: one result per measured row"
+        per_rank = [r["batch_per_process"] / r["step_s"] / (table[0]["batch_per_process"] / table[0]["step_s"])
+                    for r in table]
+        for r, (s, e), (ws, we), pr in zip(table, got, want, per_rank):
+            n = r["nproc"]
+            if _close(s, ws) and _close(e, we):
+                continue
+            where = (f"at {n} processes of the {name}-scaling table ({r['batch_per_process']} samples per process, "
+                     f"{r['step_s'] * 1000:g} ms per step) your speed-up is {s:.2f}, expected {ws:.2f}")
+            if _close(s, pr) and not _close(s, ws):
+                return (f"wrong: {where}: you compared one rank's samples/s. The job's throughput is summed over all "
+                        f"processes: processes x batch per process / step time")
+            if not _close(s, ws):
+                return f"wrong: {where}: speed-up is the job's throughput over the first row's"
+            if _close(e, s):
+                return (f"wrong: at {n} processes your efficiency equals the speed-up ({s:.2f}): efficiency is "
+                        f"speed-up per process, {ws:.2f} / {n} = {we:.2f} here")
+            return f"wrong: at {n} processes ({name} scaling) your efficiency is {e:.2f}, expected {we:.2f} (speed-up / processes)"
+    weak, strong = solution_scaling(WEAK_TABLE)[-1], solution_scaling(STRONG_TABLE)[-1]
+    return (f"correct: weak scaling {weak['speedup']:.2f}x at 8 processes ({weak['efficiency']:.0%} efficiency), "
+            f"strong scaling {strong['speedup']:.2f}x at 4 ({strong['efficiency']:.0%})")
+
+
+# (bytes, seconds, processes) of all-reduces: 2, 4 and 8 ranks, and one rank (nothing crosses a link).
+BUSBW_CASES = [(2 ** 20, 1e-3, 2), (2 ** 24, 0.02, 4), (4e6, 5e-3, 8), (64e6, 0.01, 16), (2 ** 20, 1e-4, 1)]
+
+
+def solution_bus_bandwidth(size_bytes: float, seconds: float, nproc: int) -> float:
+    """nccl-tests' bus bandwidth in GB/s (1e9 bytes/s): algbw = size / time, times 2(n-1)/n."""
+    algbw = size_bytes / seconds / 1e9
+    return algbw * 2 * (nproc - 1) / nproc
+
+
+def check_bus_bandwidth(bus_bandwidth) -> str:
+    """Run the learner's bus_bandwidth(size_bytes, seconds, nproc) on several all-reduces against the solution."""
+    for size, seconds, n in BUSBW_CASES:
+        try:
+            got = float(bus_bandwidth(size, seconds, n))
+        except Exception as exc:  # noqa: BLE001
+            return f"wrong: bus_bandwidth({size:g}, {seconds:g}, {n}) failed: {type(exc).__name__}: {exc}"
+        want = solution_bus_bandwidth(size, seconds, n)
+        if _close(got, want):
+            continue
+        algbw = size / seconds / 1e9
+        where = f"{size:g} bytes in {seconds * 1000:g} ms on {n} processes: you return {got:.4g} GB/s, expected {want:.4g}"
+        if _close(got, algbw):
+            return (f"wrong: {where}. That is algbw (size / time); the bus bandwidth multiplies it by 2(n-1)/n, "
+                    f"what a ring all-reduce sends over every link, so it can be compared with the link's peak")
+        if _close(got, 2 * algbw):
+            return (f"wrong: {where}. The factor is 2(n-1)/n, not 2: it tends to 2 for many processes, but it is "
+                    f"{2 * (n - 1) / n:g} at {n}")
+        if _close(got, algbw * (n - 1) / n):
+            return (f"wrong: {where}. A ring all-reduce is a reduce-scatter plus an all-gather, each moving (n-1)/n of "
+                    f"the buffer: the factor is 2(n-1)/n")
+        if _close(got, want * 1e9) or _close(got, want * 1e9 / 2 ** 30):
+            return f"wrong: {where}. Units: GB/s here is 1e9 bytes/s, as in nccl-tests"
+        if _close(got, algbw * n / (2 * (n - 1))) or _close(got, algbw / (2 * (n - 1) / n)):
+            return f"wrong: {where}. Multiply algbw by 2(n-1)/n, do not divide"
+        return f"wrong: {where}. busbw = size / time x 2(n-1)/n, in 1e9 bytes/s"
+    return "correct: busbw = algbw x 2(n-1)/n on 1 to 16 processes (1x algbw at 2 processes, 1.75x at 8, 0 on one)"
