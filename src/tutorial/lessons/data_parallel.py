@@ -80,3 +80,132 @@ def dp_throughput(cfg: TrainConfig, gpu_counts=None, steps: int = 20) -> list[di
             rows.append(row)
             del model
     return rows
+
+
+# ----------------------------------------------------------------------------------------- 02: the picture
+def draw_dp_step(slices: list[int], ax=None):
+    """One DataParallel step as a picture: the batch scattered in `slices` (real slice sizes), the model replicated,
+    the replicas run in threads, the outputs gathered and the gradients summed on GPU 0."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+
+    n = len(slices)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 1.5 + 0.9 * n))
+    stages = ["batch\non GPU 0", "scatter", "replicate", "parallel_apply", "gather\non GPU 0", "backward:\nsum grads"]
+    colors = ["#dddddd", "#9ecae1", "#fdae6b", "#a1d99b", "#dddddd", "#fc9272"]
+    start = [sum(slices[:i]) for i in range(n)]
+    total = sum(slices)
+
+    def box(x, y, text, color):
+        ax.add_patch(FancyBboxPatch((x - 0.42, y - 0.33), 0.84, 0.66, boxstyle="round,pad=0.02", fc=color, ec="k"))
+        ax.text(x, y, text, ha="center", va="center", fontsize=8)
+
+    for col, (stage, color) in enumerate(zip(stages, colors)):
+        ax.text(col, n - 0.35, stage, ha="center", va="bottom", fontsize=9, weight="bold")
+        for gpu in range(n):
+            y = n - 1 - gpu
+            if col in (0, 4, 5) and gpu > 0:
+                continue
+            text = {0: f"X: {total} rows\nweights",
+                    1: f"rows {start[gpu]}-{start[gpu] + slices[gpu] - 1}\n({slices[gpu]})",
+                    2: "copy of the\nweights",
+                    3: f"thread {gpu}\nforward",
+                    4: f"{total} outputs\nloss",
+                    5: "grad = sum of\nreplica grads"}[col]
+            box(col, y, text, color)
+            if col in (1, 2, 3):
+                src = n - 1 if col == 1 else y
+                ax.annotate("", (col - 0.43, y), (col - 0.57, src), arrowprops=dict(arrowstyle="->"))
+            if col == 4:
+                for g in range(n):
+                    ax.annotate("", (col - 0.43, y), (col - 0.57, n - 1 - g), arrowprops=dict(arrowstyle="->"))
+            if col == 5:
+                ax.annotate("", (col - 0.43, y), (col - 0.57, y), arrowprops=dict(arrowstyle="->"))
+    for gpu in range(n):
+        ax.text(-0.75, n - 1 - gpu, f"GPU {gpu}", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-1.3, len(stages) - 0.5)
+    ax.set_ylim(-0.6, n + 0.1)
+    ax.axis("off")
+    ax.set_title(f"one nn.DataParallel step, batch of {total} over {n} GPUs: every arrow is a copy or a thread")
+    return ax.figure
+
+
+# -------------------------------------------------------------------------------------------- 02: exercises
+def _exercise_problem(batch: int = 32, seed: int = 0):
+    """A BatchNorm-free model and a batch, so that combining replicas' gradients correctly gives the full-batch one."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model, torch.randn(batch, 10, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
+
+
+def check_replica_gradient(data_parallel_gradient) -> str:
+    """Exercise 1: does data_parallel_gradient(model, X, y, replicas) return the full-batch gradient, with 3 replicas
+    on a batch of 32 (slices 11, 11, 10)?"""
+    model, X, y = _exercise_problem()
+    full = batch_gradient(model, X, y)
+    try:
+        got = data_parallel_gradient(copy.deepcopy(model), X, y, 3)
+    except Exception as exc:  # noqa: BLE001 -- the learner's code; report it
+        return f"wrong: it raised {type(exc).__name__}: {exc}"
+    got = torch.as_tensor(got).reshape(-1)
+    if got.shape != full.shape:
+        return f"wrong: {got.numel()} gradient values, the model has {full.numel()} parameters"
+    if torch.allclose(got, full, atol=1e-6):
+        return "correct: the replicas' gradients combine to the full-batch gradient (slices 11, 11, 10)"
+    ratio = (got.norm() / full.norm()).item()
+    if abs(ratio - 3) < 0.3:
+        return (f"wrong: the gradient is {ratio:.2f}x the full-batch gradient: each replica's loss is a mean over its "
+                "slice, so summing 3 replicas' gradients counts the batch 3 times; weight replica i by "
+                "len(slice i) / len(X)")
+    worst = ((got - full).abs().max() / full.abs().max()).item()
+    return (f"wrong: off by up to {worst:.1%} of the largest gradient: dividing the sum by the number of replicas "
+            "weights the 10-sample slice like the 11-sample ones; weight replica i by len(slice i) / len(X)")
+
+
+def solution_data_parallel_gradient(model, X, y, replicas=3):
+    copies = [copy.deepcopy(model) for _ in range(replicas)]               # replicate
+    grads = []
+    for replica, xs, ys in zip(copies, X.chunk(replicas), y.chunk(replicas)):   # scatter
+        F.cross_entropy(replica(xs), ys).backward()                         # each replica: mean loss over its slice
+        grads.append(torch.cat([p.grad.reshape(-1) for p in replica.parameters()]) * len(xs) / len(X))
+    return sum(grads)                                                       # reduce: a weighted sum = full batch
+
+
+def check_train_and_save(train_and_save) -> str:
+    """Exercise 2: can a plain (unwrapped) model load what train_and_save(model, X, y, path) wrote, strictly, and does
+    it then hold the trained weights?"""
+    import tempfile
+    from pathlib import Path
+
+    model, X, y = _exercise_problem()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.pt"
+        try:
+            train_and_save(model, X, y, path)
+        except Exception as exc:  # noqa: BLE001
+            return f"wrong: it raised {type(exc).__name__}: {exc}"
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    plain, _, _ = _exercise_problem()
+    keys = list(state)
+    try:
+        plain.load_state_dict(state)
+    except RuntimeError:
+        if keys and all(k.startswith("module.") for k in keys):
+            return (f"wrong: the saved keys are {keys[:2]}...: a DataParallel's state_dict names every parameter "
+                    "'module.' + its name, so load_state_dict of a plain model fails (missing and unexpected keys); "
+                    "save dp_model.module.state_dict() instead")
+        return f"wrong: a plain model cannot load the file; its keys are {keys[:3]}..."
+    trained = dict(model.named_parameters())
+    if not all(torch.equal(v, trained[k].detach()) for k, v in plain.named_parameters()):
+        return "wrong: the file loads, but holds other weights than the trained model's"
+    return f"correct: a plain model loads the file strictly (keys {keys[:2]}...) and holds the trained weights"
+
+
+def solution_train_and_save(model, X, y, path):
+    dp_model = nn.DataParallel(model)
+    optimizer = torch.optim.SGD(dp_model.parameters(), lr=0.1)
+    F.cross_entropy(dp_model(X), y).backward()
+    optimizer.step()
+    torch.save(dp_model.module.state_dict(), path)      # the wrapped model's keys, without "module."

@@ -1,6 +1,7 @@
 """04_mixed_precision: number formats, GradScaler's reaction to inf/nan, autocast's dtypes, a speed comparison."""
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -103,3 +104,171 @@ def precision_benchmark(cfg: TrainConfig, precisions=("fp32", "bf16"), steps: in
         rows.append(row)
         del model
     return rows
+
+
+# ------------------------------------------------------------------------------------------- 04: the picture
+def draw_number_lines(dtypes=(torch.float32, torch.float16, torch.bfloat16), ax=None):
+    """fp32, fp16 and bf16 on one logarithmic axis, from torch.finfo: the subnormal and normal ranges, the largest
+    value, and the spacing of representable numbers next to 1 (eps), which is their precision."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 1.4 + 0.9 * len(dtypes)), layout="constrained")
+    for row, dtype in enumerate(dtypes):
+        info = torch.finfo(dtype)
+        y = len(dtypes) - 1 - row
+        tiny = math.log10(info.smallest_normal * info.eps)   # the smallest subnormal
+        low, high = math.log10(info.smallest_normal), math.log10(info.max)
+        ax.barh(y, low - tiny, left=tiny, height=0.42, color="#c6dbef", edgecolor="k")
+        ax.barh(y, high - low, left=low, height=0.42, color="#3182bd", edgecolor="k")
+        ax.text(tiny, y + 0.3, f"{10 ** tiny:.1e}", ha="center", fontsize=8)
+        ax.text(low, y - 0.42, f"normal from {info.smallest_normal:.2g}", ha="left", fontsize=8)
+        ax.text(high, y + 0.3, f"max {info.max:.3g}", ha="center", fontsize=8)
+        ax.text(-50, y, f"{str(dtype).replace('torch.', '')}\nspacing near 1: {info.eps:.2g}", ha="right",
+                va="center", fontsize=9)
+    ax.axvline(-8, color="#e6550d", ls="--")
+    ax.axvline(0, color="k", lw=0.8)
+    ax.text(-8.5, -0.65, "a small gradient, 1e-8", color="#e6550d", ha="right", fontsize=8)
+    ax.text(0.5, -0.65, "1", fontsize=8)
+    ax.set_yticks([])
+    ax.set_ylim(-0.75, len(dtypes) - 0.3)
+    ax.set_xlim(-48, 46)
+    ax.set_xlabel("log10 of the magnitude (light: subnormals, losing precision; dark: normal numbers)")
+    ax.set_title("range and precision of the floating-point formats (torch.finfo)")
+    return ax.figure
+
+
+# ------------------------------------------------------------------------------------------- 04: measuring
+def seconds_per_call(fn, device: torch.device, steps: int = 10, warmup: int = 3) -> float:
+    """Mean seconds per call of fn() after warm-up calls, the GPU synchronised around the timed calls."""
+    import time
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / steps
+
+
+# -------------------------------------------------------------------------------------------- 04: exercises
+def _mlp(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    return model, torch.randn(64, 16, generator=gen), torch.randint(0, 4, (64,), generator=gen)
+
+
+class _RecordingSGD(torch.optim.SGD):
+    """SGD that remembers the gradients it stepped with: what the optimizer really saw (unscaled, clipped, or not)."""
+    seen = None
+
+    def step(self, closure=None):
+        self.seen = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).clone()
+                               for group in self.param_groups for p in group["params"]])
+        return super().step(closure)
+
+
+def _gradient_seen(step, model, X, y, scaler, **kwargs):
+    """The gradient optimizer.step() got in one call of step(model, optimizer, scaler, X, y); None if never called."""
+    optimizer = _RecordingSGD(model.parameters(), lr=0.1)
+    step(model, optimizer, scaler, X, y, **kwargs)
+    return optimizer.seen
+
+
+def _reference_gradient(model, X, y, max_norm=None) -> torch.Tensor:
+    model = copy.deepcopy(model)
+    F.cross_entropy(model(X), y).backward()
+    if max_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def check_clipping(clipped_step, max_norm: float = 0.1) -> str:
+    """Exercise 1: clipped_step(model, optimizer, scaler, X, y, max_norm) must clip the TRUE gradient norm to
+    max_norm, with a GradScaler whose scale is 65536 (its default)."""
+    model, X, y = _mlp()
+    true_norm = _reference_gradient(model, X, y).norm().item()
+    expected = _reference_gradient(model, X, y, max_norm)
+    scaler = torch.amp.GradScaler("cpu")
+    try:
+        seen = _gradient_seen(clipped_step, copy.deepcopy(model), X, y, scaler, max_norm=max_norm)
+    except Exception as exc:  # noqa: BLE001 -- the learner's code; report it
+        return f"wrong: it raised {type(exc).__name__}: {exc}"
+    if seen is None:
+        return "wrong: optimizer.step() was never called: the step was skipped (call scaler.step(optimizer))"
+    got = seen.norm().item()
+    if ((seen - expected).norm() / expected.norm()).item() < 0.05:    # bf16 autocast rounds: 5 %
+        return f"correct: the true gradient norm {true_norm:.2f} was clipped to {got:.3f}"
+    if got < max_norm / 100:
+        return (f"wrong: the optimizer got a gradient of norm {got:.2g} instead of {max_norm}, "
+                f"{max_norm / got:,.0f}x too small: clip_grad_norm_ saw the gradients multiplied by the loss scale "
+                f"{scaler.get_scale():g}, so it clipped them to {max_norm} / {scaler.get_scale():g}; "
+                "call scaler.unscale_(optimizer) before clipping")
+    if got > max_norm * 1.05:
+        return (f"wrong: the optimizer got a gradient of norm {got:.3f}, above max_norm {max_norm}: it was not "
+                "clipped (torch.nn.utils.clip_grad_norm_ after scaler.unscale_, before scaler.step)")
+    return f"wrong: the optimizer got another gradient than the clipped fp32 one (norm {got:.3f})"
+
+
+def solution_clipped_step(model, optimizer, scaler, X, y, max_norm=1.0):
+    with torch.autocast(X.device.type, dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(X), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)                      # the true gradients, so that clipping sees their real norm
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)                          # knows they are unscaled already; skips on inf/nan
+    scaler.update()
+    optimizer.zero_grad()
+
+
+def _confident_mlp():
+    """A model late in training: it predicts the labels of this batch with logit margins of 15 to 23, so its
+    gradients are tiny (below about 1e-6, most far below), where fp16 has only subnormals and zero."""
+    model, _, _ = _mlp(seed=1)
+    X = torch.randn(512, 16, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model[2].weight.mul_(40.0)
+        model[2].bias.zero_()
+        top = model(X).topk(2, dim=1).values
+        margin = top[:, 0] - top[:, 1]
+        X = X[(margin > 15) & (margin < 23)][:64]
+        y = model(X).argmax(1)
+    return model, X, y
+
+
+def check_fp16_step(fp16_step) -> str:
+    """Exercise 2: one fp16 autocast step of a model with tiny gradients must give the optimizer the fp32 gradient."""
+    model, X, y = _confident_mlp()
+    expected = _reference_gradient(model, X, y)
+    moving = expected.abs() > 1e-3 * expected.abs().max()       # the gradients that matter
+    scaler = torch.amp.GradScaler("cpu")
+    try:
+        seen = _gradient_seen(fp16_step, copy.deepcopy(model), X, y, scaler)
+    except Exception as exc:  # noqa: BLE001
+        return f"wrong: it raised {type(exc).__name__}: {exc}"
+    if seen is None:
+        return "wrong: optimizer.step() was never called (scaler.step(optimizer) calls it unless gradients overflow)"
+    stuck = ((seen == 0) & moving).sum().item() / moving.sum().item()
+    error = ((seen - expected).norm() / expected.norm()).item()
+    if stuck > 0.01:
+        return (f"wrong: {stuck:.0%} of the gradients were zero that fp32 computes as non-zero: gradients this "
+                f"small (at most {expected.abs().max().item():.1e}) underflow to zero in fp16; scale the loss: "
+                "scaler.scale(loss).backward(), then scaler.step(optimizer) and scaler.update()")
+    if error > 0.15:
+        return (f"wrong: the gradient is {error:.0%} off the fp32 gradient: were the gradients unscaled? "
+                "(scaler.step(optimizer) unscales them, then steps)")
+    return (f"correct: the optimizer got the fp32 gradient (within {error:.1%}), although no gradient exceeds "
+            f"{expected.abs().max().item():.1e}")
+
+
+def solution_fp16_step(model, optimizer, scaler, X, y):
+    with torch.autocast(X.device.type, dtype=torch.float16):
+        loss = F.cross_entropy(model(X), y)
+    scaler.scale(loss).backward()                   # the gradients times 65536: out of the underflow zone
+    scaler.step(optimizer)                          # unscaled in fp32, then optimizer.step()
+    scaler.update()
+    optimizer.zero_grad()
