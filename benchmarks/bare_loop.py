@@ -203,9 +203,11 @@ def compare(argv=None) -> int:
                  for key in ("median", "mean", "fastest", "cpu")}
         r = statistics.median(ratio["median"])
         medians = {side: statistics.median(sides[side]["median"]) * 1000 for side in ("bare", "trainer")}
+        interval = bench.median_ci95(ratio["median"])
+        ci = f"{interval[0]:.3f}-{interval[1]:.3f}" if interval else "n/a (under 6 runs)"
         line = (f"{trainer} x{nproc}: {'bare again' if args.calibrate else 'trainer'} {medians['trainer']:.3f} "
-                f"ms/step, bare {medians['bare']:.3f} ms/step, ratio {r:.3f} [{min(ratio['median']):.3f}-"
-                f"{max(ratio['median']):.3f}] over {args.repeats} ABBA runs, fastest-step ratio "
+                f"ms/step, bare {medians['bare']:.3f} ms/step, ratio {r:.3f} (95 % CI {ci}, range "
+                f"{min(ratio['median']):.3f}-{max(ratio['median']):.3f}) over {args.repeats} ABBA runs, fastest-step ratio "
                 f"{statistics.median(ratio['fastest']):.3f}"
                 + (f", CPU-time ratio {statistics.median(ratio['cpu']):.3f}" if ratio["cpu"] else "")
                 + f": {'meets' if r <= OVERHEAD_GOAL else 'misses'} <= {OVERHEAD_GOAL}")

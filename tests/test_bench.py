@@ -214,3 +214,10 @@ def test_plots_draw_results_lines():
                 results=dict(points=points, breakdown=[dict(nproc=1, **bench.breakdown(0.01, 0.01, 0.012))]))
     plots.scaling_plot(line)
     plots.breakdown_plot(line)
+
+
+def test_the_median_interval_uses_order_statistics():
+    # n = 30: P(Binomial(30, 1/2) <= 9) = 2.1 % and <= 10 is 4.9 %, so the 10th smallest and 10th largest.
+    assert bench.median_ci95(list(range(30))) == [9, 20]
+    assert bench.median_ci95([5.0, 1.0, 4.0, 2.0, 3.0]) is None  # 5 values cannot give 95 %
+    assert bench.median_ci95([6, 1, 5, 2, 4, 3]) == [1, 6]  # 6 values: the extremes, P(all on one side) = 1/64

@@ -54,7 +54,7 @@ def test_the_tag_check_catches_an_untagged_line():
 @pytest.mark.parametrize("stage", ["train_single", *STAGES, *OTHER_TRAINERS])
 def test_trainers_stay_small(stage):
     lines = read(stage).splitlines()
-    assert len(lines) <= 170, f"{stage}.py has {len(lines)} lines; a stage should read top to bottom"
+    assert len(lines) <= 180, f"{stage}.py has {len(lines)} lines; a stage should read top to bottom"
 
 
 @pytest.mark.parametrize("stage", ["train_single", *STAGES])

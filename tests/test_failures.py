@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import PYTHON, ROOT, env, run, train_cmd
+from conftest import PYTHON, ROOT, env, metrics, params, run, torchrun_cmd, train_cmd
 from conftest import skeleton as notebook_skeleton
 from test_bad_input import assert_one_line_error
 
@@ -171,3 +171,46 @@ def test_a_diverged_loss_stops_the_run_naming_rank_and_step():
     line = one_error_line(proc)
     assert line.startswith("error: rank 0: the training loss is nan at step ") or "loss is inf" in line
     assert "lower --lr" in line
+
+
+# --------------------------------------------------------------------------------------- a walltime kill (SIGTERM)
+def stopped_by_sigterm(cmd, out, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Start cmd, send SIGTERM once the first epoch's checkpoint exists (a scheduler's walltime kill on cue, so it
+    lands in epoch 1 or later, after the loop has started) and let the trainer save and exit."""
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(), cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not (out / "checkpoint.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)  # the SIGKILL a scheduler sends after its grace period
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def test_sigterm_saves_mid_epoch_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    args = ["--preset", "smoke", "--epochs", "3", "--log-every", "2"]
+    stopped = stopped_by_sigterm(train_cmd("single", *args, "--out", tmp_path / "parts"), tmp_path / "parts")
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    assert stopped.stderr.strip().splitlines()[-1].startswith("stopped: SIGTERM: saved epoch ")
+    saved = torch.load(tmp_path / "parts" / "checkpoint.pt", weights_only=True)
+    assert saved["batch"] > 0 and saved["step"] % 2 == 0  # mid-epoch, at a step where the ranks compare flags
+    run(train_cmd("single", *args, "--out", tmp_path / "parts", "--resume"))
+    run(train_cmd("single", *args, "--out", tmp_path / "whole"))
+    assert metrics(tmp_path / "parts")["steps"] == metrics(tmp_path / "whole")["steps"]
+    assert torch.equal(params(tmp_path / "parts"), params(tmp_path / "whole"))
+
+
+def test_sigterm_to_torchrun_stops_every_ddp_rank_at_the_same_step_and_resumes(tmp_path):
+    args = ["--preset", "smoke", "--epochs", "3", "--log-every", "2", "--out", tmp_path]
+    stopped = stopped_by_sigterm(torchrun_cmd(2, "ddp", *args), tmp_path)
+    said = [line for line in stopped.stderr.splitlines() if line.startswith("stopped: SIGTERM")]
+    assert len(said) == 2 and said[0] == said[1], stopped.stderr[-3000:]  # both ranks, the same epoch/batch/step
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["batch"] > 0
+    run(torchrun_cmd(2, "ddp", *args, "--resume"))
+    m = metrics(tmp_path)
+    assert [e["epoch"] for e in m["epochs"]] == [0, 1, 2] and m["replicas_identical"]

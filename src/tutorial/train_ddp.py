@@ -65,6 +65,8 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
     model.train()
     loss_sum, samples, start = torch.zeros((), device=device), 0, time.perf_counter()
     for i, (X, y) in enumerate(log.bar(loader, epoch)):
+        if checkpoint.trained_before(state, i):  # resumed after a SIGTERM stop: done before it
+            continue
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cfg.channels_last:
             X = X.contiguous(memory_format=torch.channels_last)
@@ -82,6 +84,8 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
             optimizer.zero_grad()
             state.step += 1
             log.step(state.step, loss, lr, amp.loss_scale)
+            if checkpoint.stop_requested(state, i, len(loader), cfg.log_every):  # SIGTERM on any rank
+                break
             if cfg.max_steps and state.step >= cfg.max_steps:
                 break
     seconds = time.perf_counter() - start
@@ -127,6 +131,10 @@ def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, 
         train_loader.sampler.set_epoch(epoch)  # DDP: a new shuffle every epoch, the same on every rank
         train_loss, samples_per_second, seconds = train_one_epoch(
             cfg, model, optimizer, amp, train_loader, device, epoch, peak_lr, state, log)
+        if state.batch:  # a SIGTERM stopped this epoch: save where it stopped, then exit (143)
+            if world.is_main_process:  # DDP: one writer; the replicas are identical anyway
+                checkpoint.save(cfg, model, optimizer, amp.scaler, state)  # DDP
+            raise checkpoint.stopped(state, cfg.out)
         train_loss = all_reduce_mean(train_loss, device)  # DDP: the loss over all ranks' samples
         samples_per_second *= world.world_size  # DDP: every rank processes its own samples at the same time
         test_loss, test_accuracy, test_top5 = evaluate(cfg, model.module, amp, test_loader, device)  # DDP: local replica

@@ -54,6 +54,8 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
     model.train()
     loss_sum, samples, start = torch.zeros((), device=device), 0, time.perf_counter()
     for i, (X, y) in enumerate(log.bar(loader, epoch)):
+        if checkpoint.trained_before(state, i):  # resumed after a SIGTERM stop: done before it
+            continue
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cfg.channels_last:
             X = X.contiguous(memory_format=torch.channels_last)
@@ -70,6 +72,8 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
             optimizer.zero_grad()
             state.step += 1
             log.step(state.step, loss, lr, amp.loss_scale)
+            if checkpoint.stop_requested(state, i, len(loader), cfg.log_every):  # SIGTERM on any rank
+                break
             if cfg.max_steps and state.step >= cfg.max_steps:
                 break
     seconds = time.perf_counter() - start
@@ -109,6 +113,9 @@ def main(cfg: TrainConfig) -> dict:
         train_loader.sampler.generator.manual_seed(cfg.seed + epoch)
         train_loss, samples_per_second, seconds = train_one_epoch(
             cfg, model, optimizer, amp, train_loader, device, epoch, peak_lr, state, log)
+        if state.batch:  # a SIGTERM stopped this epoch: save where it stopped, then exit (143)
+            checkpoint.save(cfg, model, optimizer, amp.scaler, state)
+            raise checkpoint.stopped(state, cfg.out)
         test_loss, test_accuracy, test_top5 = evaluate(cfg, model, amp, test_loader, device)
         log.epoch(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss, test_accuracy=test_accuracy,
                        samples_per_second=samples_per_second, epoch_seconds=seconds,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP
 from torch.utils.data.distributed import DistributedSampler  # FSDP
 
-from .core import sharded_checkpoint, tracking  # FSDP: every rank writes its shards
+from .core import checkpoint, sharded_checkpoint, tracking  # FSDP: every rank writes its shards
 from .core.config import ConfigError, TrainConfig, parse_args  # FSDP: ConfigError
 from .core.data import build_datasets, make_loader
 from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # FSDP
@@ -69,6 +69,8 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
     model.train()
     loss_sum, samples, start = torch.zeros((), device=device), 0, time.perf_counter()
     for i, (X, y) in enumerate(log.bar(loader, epoch)):
+        if checkpoint.trained_before(state, i):  # resumed after a SIGTERM stop: done before it
+            continue
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cfg.channels_last:
             X = X.contiguous(memory_format=torch.channels_last)
@@ -86,6 +88,8 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
             optimizer.zero_grad()
             state.step += 1
             log.step(state.step, loss, lr, amp.loss_scale)
+            if checkpoint.stop_requested(state, i, len(loader), cfg.log_every):  # SIGTERM on any rank
+                break
             if cfg.max_steps and state.step >= cfg.max_steps:
                 break
     seconds = time.perf_counter() - start
@@ -130,6 +134,9 @@ def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, 
         train_loader.sampler.set_epoch(epoch)  # FSDP: a new shuffle every epoch, the same on every rank
         train_loss, samples_per_second, seconds = train_one_epoch(
             cfg, model, optimizer, amp, train_loader, device, epoch, peak_lr, state, log)
+        if state.batch:  # a SIGTERM stopped this epoch: save where it stopped, then exit (143)
+            sharded_checkpoint.save_dcp(cfg, model, optimizer, state)  # FSDP: every rank writes its own shards
+            raise checkpoint.stopped(state, cfg.out)
         train_loss = all_reduce_mean(train_loss, device)  # FSDP: the loss over all ranks' samples
         samples_per_second *= world.world_size  # FSDP: every rank processes its own samples at the same time
         test_loss, test_accuracy, test_top5 = evaluate(cfg, model, amp, test_loader, device)

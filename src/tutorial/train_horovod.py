@@ -62,6 +62,8 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
     model.train()
     loss_sum, samples, start = torch.zeros((), device=device), 0, time.perf_counter()
     for i, (X, y) in enumerate(log.bar(loader, epoch)):
+        if checkpoint.trained_before(state, i):  # resumed after a SIGTERM stop: done before it
+            continue
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cfg.channels_last:
             X = X.contiguous(memory_format=torch.channels_last)
@@ -80,6 +82,8 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
             optimizer.zero_grad()
             state.step += 1
             log.step(state.step, loss, lr, amp.loss_scale)
+            if checkpoint.stop_requested(state, i, len(loader), cfg.log_every):  # SIGTERM on any rank
+                break
             if cfg.max_steps and state.step >= cfg.max_steps:
                 break
     seconds = time.perf_counter() - start
@@ -121,6 +125,10 @@ def main(cfg: TrainConfig) -> dict:
         train_loader.sampler.set_epoch(epoch)  # Horovod: a new shuffle every epoch, the same on every rank
         train_loss, samples_per_second, seconds = train_one_epoch(
             cfg, model, optimizer, amp, train_loader, device, epoch, peak_lr, state, log)
+        if state.batch:  # a SIGTERM stopped this epoch: save where it stopped, then exit (143)
+            if hvd.rank() == 0:  # Horovod: step 7, checkpoints from rank 0 only
+                checkpoint.save(cfg, model, optimizer, amp.scaler, state)  # Horovod
+            raise checkpoint.stopped(state, cfg.out)
         train_loss = hvd.allreduce(torch.tensor(train_loss), name="train_loss").item()  # Horovod: step 8, average
         samples_per_second *= hvd.size()  # Horovod: every rank processes its own samples at the same time
         test_loss, test_accuracy, test_top5 = evaluate(cfg, model, amp, test_loader, device)

@@ -13,9 +13,9 @@ the command line in cli.py.
 from ..core.distributed import bus_bandwidth
 from .cli import main
 from .measure import BenchError, RunFailed, available_processes, launch, launch_horovod, measure_run
-from .record import append_result, environment, read_results, summary
+from .record import append_result, environment, median_ci95, read_results, summary
 from .studies import breakdown, nproc_ladder, scaling_table
 
 __all__ = ["BenchError", "RunFailed", "append_result", "available_processes", "breakdown", "bus_bandwidth",
-           "environment", "launch", "launch_horovod", "main", "measure_run", "nproc_ladder", "read_results",
+           "environment", "launch", "launch_horovod", "main", "measure_run", "median_ci95", "nproc_ladder", "read_results",
            "scaling_table", "summary"]

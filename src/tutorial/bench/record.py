@@ -7,6 +7,7 @@ import datetime
 import functools
 import json
 import os
+import math
 import platform
 import statistics
 from importlib import metadata
@@ -38,9 +39,23 @@ def environment() -> dict:
 
 
 def summary(values) -> dict:
-    """median, min, max and every repeat: the spread is part of the result."""
+    """median, min, max, a 95 % confidence interval of the median and every repeat: the spread is part of the
+    result."""
     values = [float(v) for v in values]
-    return dict(median=statistics.median(values), min=min(values), max=max(values), repeats=values)
+    return dict(median=statistics.median(values), median_ci95=median_ci95(values), min=min(values), max=max(values),
+                repeats=values)
+
+
+def median_ci95(values) -> list[float] | None:
+    """A distribution-free 95 % confidence interval of the median: the k-th smallest and k-th largest of n values,
+    k the largest with P(Binomial(n, 1/2) < k) <= 2.5 % (no assumption about how the noise is distributed). None
+    below 6 values, where no such k exists."""
+    n, ordered = len(values), sorted(values)
+    below, k = 0.0, 0
+    while below + math.comb(n, k) / 2 ** n <= 0.025:
+        below += math.comb(n, k) / 2 ** n
+        k += 1
+    return [ordered[k - 1], ordered[n - k]] if k >= 1 else None
 
 
 def append_result(results_dir, kind: str, command: list, parameters: dict, results: dict) -> Path:

@@ -6,13 +6,16 @@ Horovod or with another world size.
 from __future__ import annotations
 
 import os
+import sys
 import zipfile
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from .config import ConfigError, TrainConfig
 from .models import unwrap
+from .process import Sigterm, Stopped
 
 
 @dataclass
@@ -20,6 +23,44 @@ class State:
     epoch: int = 0          # epochs completed
     step: int = 0           # optimizer steps taken
     history: list = field(default_factory=list)  # per-epoch metrics so far
+    batch: int = 0          # batches of epoch `epoch` trained before a SIGTERM stopped the run (0: between epochs)
+
+
+def stop_requested(state: State, i: int, batches: int, every: int) -> bool:
+    """After the optimizer step of batch i: True on every rank at the same step once any rank got SIGTERM (a
+    walltime kill). The ranks compare every `every` steps (one tiny all-reduce), so they act within that many steps
+    and never stop at different steps, which would leave one waiting in a collective. Not at an epoch's last batch:
+    the epoch's own checkpoint comes next."""
+    if state.step % every or i + 1 == batches or not _on_any_rank(Sigterm.check()):
+        return False
+    state.batch = i + 1
+    return True
+
+
+def stopped(state: State, out: str) -> Stopped:
+    return Stopped(f"SIGTERM: saved epoch {state.epoch} at batch {state.batch} (step {state.step}) in {out}; "
+                   "run the same command with --resume to go on from there")
+
+
+def trained_before(state: State, i: int) -> bool:
+    """True for the batches of the epoch that a run stopped by SIGTERM trained before it stopped: the resumed run
+    skips them (the loader yields the same order again: the shuffle depends on the seed and the epoch only)."""
+    if i < state.batch:
+        return True
+    state.batch = 0  # from here on this epoch is trained as usual
+    return False
+
+
+def _on_any_rank(flag: bool) -> bool:
+    if dist.is_available() and dist.is_initialized():  # DDP, FSDP, DeepSpeed
+        on_gpu = dist.get_backend() == "nccl"
+        t = torch.tensor([float(flag)], device=torch.cuda.current_device() if on_gpu else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None and hvd.is_initialized():
+        return bool(hvd.allreduce(torch.tensor([float(flag)]), op=hvd.Sum, name="sigterm").item())
+    return flag
 
 
 def save(cfg: TrainConfig, model, optimizer, scaler, state: State) -> None:
@@ -36,6 +77,11 @@ def save(cfg: TrainConfig, model, optimizer, scaler, state: State) -> None:
         "epoch": state.epoch,
         "step": state.step,
         "history": state.history,
+        "batch": state.batch,
+        # The RNG, so a resumed run draws what the uninterrupted one would (loader worker seeds, dropout, random
+        # crops in the main process). Every rank's generator is seeded alike and draws alike, so rank 0's serves all.
+        "rng": {"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None},
         "config": cfg.to_dict(),
     }, tmp)
     os.replace(tmp, path)
@@ -73,4 +119,9 @@ def resume(cfg: TrainConfig, model, optimizer, scaler, device: torch.device) -> 
                           f"(saved with model {ckpt.get('config', {}).get('model')!r}): {first}") from None
     if ckpt["scaler"]:  # empty when the run that saved it had no loss scaling (fp32, bf16)
         scaler.load_state_dict(ckpt["scaler"])
-    return State(ckpt["epoch"], ckpt["step"], ckpt["history"])
+    rng = ckpt.get("rng") or {}
+    if rng.get("cpu") is not None:
+        torch.set_rng_state(rng["cpu"].cpu())
+    if rng.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
+    return State(ckpt["epoch"], ckpt["step"], ckpt["history"], ckpt.get("batch", 0))

@@ -3,8 +3,10 @@ the cores, and the environment Open MPI needs. Standard library only, so anythin
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 
 from .config import ConfigError, fail
 
@@ -41,12 +43,40 @@ def open_mpi_env(env: dict | None = None) -> dict:
     return env
 
 
+class Stopped(Exception):
+    """A SIGTERM stopped training after a whole step and the checkpoint was saved: exit 143 (128 + SIGTERM)."""
+
+
+class Sigterm:
+    """A scheduler ends a job at its walltime with SIGTERM and, some seconds later, SIGKILL (Slurm's KillWait, 30 s
+    by default; torchrun passes both on to its workers). run_main arms this; the training loop's first look at it
+    installs the handler, so a SIGTERM during start-up still ends the process at once, and from then on a SIGTERM
+    only sets `received`: the loop stops after a whole step and the trainer saves (checkpoint.stop_requested)."""
+    armed = False
+    received = False
+
+    @classmethod
+    def check(cls) -> bool:
+        if cls.armed and threading.current_thread() is threading.main_thread():
+            cls.armed = False
+            signal.signal(signal.SIGTERM, cls._handler)
+        return cls.received
+
+    @classmethod
+    def _handler(cls, signum, frame):
+        cls.received = True
+
+
 def run_main(main, cfg) -> None:
     """`python -m tutorial.train_<stage>`: run main(cfg); a bad option or missing data is one line and exit 2."""
+    Sigterm.armed = True  # only a trainer run as a command saves on SIGTERM; engines keep their own handling
     try:
         main(cfg)
     except ConfigError as exc:
         fail(exc)
+    except Stopped as exc:
+        print(f"stopped: {exc}", file=sys.stderr)
+        exit_process(128 + signal.SIGTERM)
     except (TimeoutError, FloatingPointError) as exc:  # a missing rank, a diverged loss: who and where, in a line
         fail(exc, code=1)
     exit_process(0)  # not a plain return: see exit_process for the gloo thread that can abort a finished run

@@ -116,7 +116,7 @@ def resume_deepspeed(cfg: TrainConfig, engine) -> State:
                           f"partitions at the same world size; run with {saved} processes, or rebuild the fp32 "
                           f"weights with {path}/zero_to_fp32.py")
     _, client = engine.load_checkpoint(path, tag=tag)
-    return State(client["epoch"], client["step"], client["history"])
+    return State(client["epoch"], client["step"], client["history"], client.get("batch", 0))
 
 
 # --------------------------------------------------------------------------------------------------------- helpers

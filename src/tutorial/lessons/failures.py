@@ -96,6 +96,30 @@ def torchrun_losing_a_worker(out: str, args: list[str], after_epochs: int, max_r
         nodes.close()
 
 
+def walltime(command: list[str], out: str, after_epochs: int, grace: float = 30, timeout: float = 300) -> dict:
+    """Run a training command as a batch job that reaches its walltime once the checkpoint in `out` holds
+    `after_epochs` epochs: SIGTERM, then SIGKILL `grace` seconds later if it is still running (Slurm's KillWait, PBS's
+    kill_delay). Returns the command, the exit code and the output."""
+    from ..launch import commands, processes
+    nodes = processes.Nodes([command], processes.launcher_env())
+    job = nodes.procs[0]
+    try:
+        deadline = time.monotonic() + timeout
+        while checkpoint_epochs(out) < after_epochs:
+            if time.monotonic() > deadline or job.poll() is not None:
+                raise RuntimeError(f"the run did not reach epoch {after_epochs}:\n{nodes.text(0)[-2000:]}")
+            time.sleep(0.02)
+        job.send_signal(signal.SIGTERM)
+        try:
+            job.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.wait()
+        return dict(command=commands.display(command), returncode=job.returncode, output=nodes.text(0))
+    finally:
+        nodes.close()
+
+
 def fresh_dir(name: str) -> str:
     """An empty runs/<name> (absolute, so engines and launchers in other folders find it): a checkpoint left by an
     earlier execution of the notebook would otherwise be resumed."""
