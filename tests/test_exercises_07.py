@@ -1,0 +1,45 @@
+"""07_scaling_study's exercises: each checker accepts the package's solution and rejects the notebook's unedited
+skeleton with the verdict that names the mistake (no engines needed: plain arithmetic on fixed tables)."""
+from __future__ import annotations
+
+from conftest import skeleton as notebook_skeleton
+
+from tutorial.lessons import measure
+
+
+def skeleton(heading: str):
+    return notebook_skeleton("07_scaling_study", heading)
+
+
+def test_exercise_1_checker_accepts_the_solution_and_names_per_rank_throughput():
+    assert measure.check_scaling(measure.solution_scaling) == (
+        "correct: weak scaling 5.00x at 8 processes (62% efficiency), strong scaling 2.22x at 4 (56%)")
+    verdict = measure.check_scaling(skeleton("### Exercise 1"))
+    assert verdict.startswith("wrong: at 2 processes of the weak-scaling table")
+    assert "you compared one rank's samples/s" in verdict and "summed over all processes" in verdict
+
+
+def test_exercise_1_checker_names_the_other_mistakes():
+    def step_time_ratio(rows):  # right for strong scaling only
+        return [dict(nproc=r["nproc"], speedup=rows[0]["step_s"] / r["step_s"],
+                     efficiency=rows[0]["step_s"] / r["step_s"] / r["nproc"]) for r in rows]
+
+    def efficiency_is_speedup(rows):
+        return [dict(r, efficiency=r["speedup"]) for r in measure.solution_scaling(rows)]
+
+    assert "one rank's samples/s" in measure.check_scaling(step_time_ratio)
+    assert "efficiency equals the speed-up" in measure.check_scaling(efficiency_is_speedup)
+    assert measure.check_scaling(lambda rows: 1 / 0).startswith("wrong: scaling() failed")
+
+
+def test_exercise_2_checker_accepts_the_solution_and_names_algbw():
+    assert measure.check_bus_bandwidth(measure.solution_bus_bandwidth).startswith("correct: busbw = algbw x 2(n-1)/n")
+    verdict = measure.check_bus_bandwidth(skeleton("### Exercise 2"))
+    assert verdict.startswith("wrong: 1.67772e+07 bytes in 20 ms on 4 processes") and "That is algbw" in verdict
+
+
+def test_exercise_2_checker_names_the_other_factors():
+    assert "not 2" in measure.check_bus_bandwidth(lambda size, s, n: 2 * size / s / 1e9)
+    assert "reduce-scatter plus an all-gather" in measure.check_bus_bandwidth(
+        lambda size, s, n: size / s / 1e9 * (n - 1) / n)
+    assert "Units" in measure.check_bus_bandwidth(lambda size, s, n: size / s * 2 * (n - 1) / n)
