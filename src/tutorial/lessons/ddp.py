@@ -1,28 +1,22 @@
-"""Demonstrations for 03_distributed_data_parallel, so its cells stay short.
+"""Infrastructure, plots and checks for 03_distributed_data_parallel; the DDP code itself is typed in the notebook.
 
-Some of these run on every engine (`cluster.run(lesson.overlap_events, cfg)`): the gradient buckets, and the
-replicas compared tensor by tensor. The others run in the notebook's kernel: the learning-rate schedule for several
-world sizes, torchrun started from a cell, and reading back what rank 0 saved.
+Here: the learning-rate schedule for several world sizes, the replicas compared tensor by tensor, a profiler trace
+of one DDP backward turned into a timeline, reading back what rank 0 saved, and the exercises' and the capstone's
+checkers with their solutions (tests/test_exercises_03.py checks each checker against its solution and skeleton).
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import train_ddp
-from ..core.config import TrainConfig, to_argv
+from ..core.config import TrainConfig
 from ..core.data import SHAPES, build_datasets
 from ..core.models import build_model, unwrap
 from ..core.optim import lr_at, scaled_lr
-from ..core.process import threads_per_process
-from ..launch.commands import display
-from ..launch.processes import launch, launcher_env
-from .notebook import engine_device
 
 
 # --------------------------------------------------------------------------------------- lr scaling and warm-up
@@ -46,44 +40,6 @@ def lr_schedules(cfg: TrainConfig, world_sizes=(1, 2, 8), points: int = 200, ax=
            title=f"lr = {cfg.lr} x world size, {cfg.warmup_epochs} warm-up epoch(s), {cfg.schedule}")
     ax.legend()
     return ax.figure, rows
-
-
-# ------------------------------------------------------------------------ the all-reduce overlapped with backward
-def overlap_events(cfg: TrainConfig, bucket_cap_mb: float = 0.1) -> list[dict]:
-    """Run on every engine: one DDP forward and backward, recording the order in which gradients become ready and
-    DDP launches the all-reduce of each gradient bucket. Returns the events in order (every rank's are the same).
-
-    DDP groups gradients into buckets of about bucket_cap_mb (default 25 MB; small here so that a small model gets
-    several buckets), in reverse order of the parameters, because backward computes the last layers' gradients first.
-    A bucket's all-reduce starts as soon as all its gradients are ready, while backward continues with earlier layers.
-    """
-    device, _, world, created = train_ddp.setup(cfg)  # the trainer's: who we are, our device, the group joined
-    try:
-        train_set, _, info = build_datasets(cfg)
-        model = build_model(cfg.model, info).to(device)
-        names = {p: n for n, p in model.named_parameters()}
-        events = []
-        for p, n in names.items():
-            p.register_post_accumulate_grad_hook(lambda p, n=n: events.append({"event": "gradient ready", "what": n}))
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb)
-
-        def logged_allreduce(process_group, bucket):
-            layers = list(dict.fromkeys(names[p].rsplit(".", 1)[0] for p in bucket.parameters()))
-            events.append({"event": f"all-reduce bucket {bucket.index()}", "what": "layers " + ", ".join(layers)})
-            return default_hooks.allreduce_hook(process_group, bucket)  # the same averaging DDP does by default
-
-        model.register_comm_hook(None, logged_allreduce)
-        X, y = zip(*(train_set[i + world.rank * cfg.batch_size] for i in range(cfg.batch_size)))
-        X, y = torch.stack(X).to(device), torch.as_tensor(y).to(device)
-        # The first backward puts every gradient in one bucket and notes the order in which they become ready;
-        # DDP then rebuilds its buckets in that order. The second backward shows the buckets training will use.
-        for _ in range(2):
-            events.clear()
-            torch.nn.functional.cross_entropy(model(X), y).backward()
-        events.append({"event": "backward returned", "what": "every bucket averaged"})
-        return events
-    finally:
-        train_ddp.teardown(created)
 
 
 # ------------------------------------------------------------------------------------- BatchNorm across replicas
@@ -173,25 +129,7 @@ def compare_replicas(cfg: TrainConfig, global_bn: bool = False) -> list[dict]:
         train_ddp.teardown(created)
 
 
-# -------------------------------------------------------------------------------------------- torchrun, rank 0 files
-def torchrun(cfg: TrainConfig, out: str, nproc: int = 2, stage: str = "ddp", timeout: float = 600) -> dict:
-    """Launch `torchrun --standalone --nproc_per_node nproc -m tutorial.train_<stage>` with cfg's flags, as from a
-    terminal, wait for it (at most timeout seconds), print the command and rank 0's output, and return the
-    metrics.json rank 0 wrote. On a failure, a timeout or an interrupt, torchrun and its workers are stopped."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", f"tutorial.train_{stage}", *to_argv(cfg.replace(out=out), horovod=stage == "horovod")]
-    print("$ " + display(cmd), flush=True)
-    # The workers' fair share of the cores: torchrun would otherwise give each 1 thread and print a banner saying so.
-    # Where the node has fewer GPUs than workers, they run on the CPU (NCCL cannot share a GPU between ranks).
-    cpu = engine_device(nproc) == "cpu"
-    run = launch(cmd, out=out, timeout=timeout, env=launcher_env(threads=threads_per_process(nproc), cpu=cpu),
-                 check=False)
-    if not run.ok:  # the failed worker's own error line comes before torchrun's long summary of the failure
-        raise RuntimeError(f"torchrun exited with code {run.returncodes[0]}:\n{run.outputs[0][-3000:]}")
-    print(run.outputs[0], end="", flush=True)  # only rank 0 prints: one copy of every line, not nproc
-    return run.metrics
-
-
+# ------------------------------------------------------------------------------------------------ rank 0's files
 def load_checkpoint(out: str):
     """The model rank 0 saved in out/checkpoint.pt, rebuilt on the CPU in one process: (model, checkpoint dict).
 
