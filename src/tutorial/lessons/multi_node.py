@@ -162,3 +162,130 @@ class RehearsalNodes:
         where = ", ".join(f"{m} ({nodes.address(m)})" for m in self.names)
         slurm = "slurmctld on node1, slurmd on every node" if self.slurm else self.slurm_note
         return f"virtual nodes {where} on {nodes.IFNAME}; Slurm: {slurm}"
+
+
+# ---------------------------------------------------------------------------------------------------- exercises
+MASTER = "10.0.0.1"  # node 0's address in exercise 1
+_LOCAL = ("localhost", "127.0.0.1", "127.0.1.1", "0.0.0.0", "::1")
+
+
+def _torchrun_args(command: list) -> list[str] | None:
+    """The arguments after `torchrun` or `python -m torch.distributed.run`; None if the command is neither."""
+    words = [str(w) for w in command]
+    for i, w in enumerate(words):
+        if Path(w).name == "torchrun":
+            return words[i + 1:]
+        if w == "torch.distributed.run" and i and words[i - 1] == "-m":
+            return words[i + 1:]
+    return None
+
+
+def check_torchrun_node(torchrun_node) -> str:
+    """Exercise 1: torchrun_node() returns the command for the second node (node rank 1) of 2 nodes with 4 GPUs each,
+    whose node 0 is 10.0.0.1 (port 29500, static rendezvous, or c10d at 10.0.0.1:29500)."""
+    from torch.distributed.run import get_args_parser
+    command = torchrun_node()
+    args = _torchrun_args(command) if isinstance(command, (list, tuple)) else None
+    if args is None:
+        return f"wrong: {command!r} is not a torchrun command (a list starting with torchrun or python -m torch.distributed.run)"
+    try:
+        ns = get_args_parser().parse_args(args)
+    except SystemExit:
+        return f"wrong: torchrun cannot parse {' '.join(args)!r}"
+    problems = []
+    if str(ns.nnodes) not in ("2", "2:2"):
+        problems.append(f"--nnodes {ns.nnodes}: the job has 2 nodes")
+    if str(ns.nproc_per_node) != "4":
+        problems.append(f"--nproc_per_node {ns.nproc_per_node}: it counts the processes on *this* node, one per GPU "
+                        "(4), not the world size (2 x 4 = 8)")
+    c10d = ns.rdzv_backend == "c10d"
+    where = ns.rdzv_endpoint if c10d else f"{ns.master_addr}:{ns.master_port}"
+    host = where.rsplit(":", 1)[0] if ":" in where else where
+    if host in _LOCAL:
+        problems.append(f"rank 0 is looked for at {where}: on node 1, {host} is node 1 itself, where nobody "
+                        f"listens; name node 0 ({MASTER}), the same address on every node")
+    elif host != MASTER:
+        problems.append(f"rank 0 is looked for at {host}, not at node 0's address {MASTER}")
+    elif where.rsplit(":", 1)[-1] != "29500":
+        problems.append(f"the port of {where} is not node 0's 29500")
+    if not c10d and ns.node_rank != 1:
+        problems.append(f"--node_rank {ns.node_rank}: the second node is node 1 (node 0 is {MASTER}); two nodes "
+                        "with the same node rank wait for a node that never comes")
+    if not ns.training_script or "tutorial.train_ddp" not in [ns.training_script, *ns.training_script_args]:
+        problems.append("the trainer is missing: end with -m tutorial.train_ddp --preset workshop")
+    if problems:
+        return "wrong: " + "; ".join(problems)
+    return (f"correct: 2 nodes x 4 processes = 8 ranks, this one is node 1, rank 0 at {where}"
+            + (" (c10d numbers the nodes itself)" if c10d else ""))
+
+
+def solution_torchrun_node() -> list[str]:
+    return ["torchrun", "--nnodes", "2", "--nproc_per_node", "4", "--node_rank", "1",
+            "--master_addr", MASTER, "--master_port", "29500",
+            "-m", "tutorial.train_ddp", "--preset", "workshop"]
+
+
+def check_sbatch(ddp_sbatch) -> str:
+    """Exercise 2: ddp_sbatch() returns a Slurm batch script for 2 nodes x 4 GPUs: one srun task per node, torchrun
+    on each with one process per GPU, a c10d rendezvous on the first node. Names every wrong line."""
+    script = ddp_sbatch()
+    if not isinstance(script, str):
+        return f"wrong: ddp_sbatch returned {type(script).__name__}, not the script's text"
+    lines = script.splitlines()
+    sbatch = {}
+    for n, line in enumerate(lines, 1):
+        if line.startswith("#SBATCH"):
+            for option in line.split()[1:]:
+                key, _, value = option.partition("=")
+                sbatch[key.lstrip("-")] = (value, n, line.strip())
+    run = [(n, line.strip()) for n, line in enumerate(lines, 1) if line.strip().startswith("srun")]
+    problems = []
+
+    def option(name, default=None):
+        return sbatch.get(name, (default, None, ""))
+
+    nodes, gpus, tasks = option("nodes"), option("gpus-per-node"), option("ntasks-per-node", "1")
+    if nodes[0] != "2":
+        problems.append(f"line {nodes[1]} `{nodes[2]}`: the job needs --nodes=2" if nodes[1] else "no #SBATCH --nodes=2")
+    if gpus[0] != "4":
+        problems.append(f"line {gpus[1]} `{gpus[2]}`: 4 GPUs per node" if gpus[1] else "no #SBATCH --gpus-per-node=4")
+    if not run:
+        return "wrong: no srun line starts the job's tasks" + ("; " + "; ".join(problems) if problems else "")
+    n, line = run[0]
+    if "torchrun" in line or "torch.distributed.run" in line:
+        if tasks[0] != "1":
+            problems.append(f"line {tasks[1]} `{tasks[2]}`: srun starts that many torchruns per node, and each "
+                            f"starts --nproc_per_node processes: {tasks[0]} x 4 per node, {tasks[0]} torchruns per node "
+                            "fight over the same GPUs; torchrun needs --ntasks-per-node=1")
+        words = line.split()
+        ns = dict(zip(words, words[1:]))
+        endpoint = ns.get("--rdzv_endpoint", ns.get("--master_addr", ""))
+        host = endpoint.split(":")[0].strip('"')
+        if host in _LOCAL or not host:
+            problems.append(f"line {n} `{line}`: rendezvous at {endpoint or 'nowhere'}; every node's torchrun "
+                            "would meet itself. Use the first node of the job: "
+                            "head=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) and \"$head:29500\"")
+        if ns.get("--nproc_per_node", "").strip('"') not in ("4", "$SLURM_GPUS_PER_NODE", "${SLURM_GPUS_PER_NODE}"):
+            problems.append(f"line {n}: --nproc_per_node {ns.get('--nproc_per_node')} should be 4, one per GPU")
+    elif tasks[0] != gpus[0]:
+        problems.append(f"line {tasks[1]} `{tasks[2]}`: without torchrun, srun starts one task per GPU: "
+                        f"--ntasks-per-node={gpus[0]}")
+    for n, line in enumerate(lines, 1):
+        if "SOCKET_IFNAME=lo" in line.replace(" ", ""):
+            problems.append(f"line {n} `{line.strip()}`: lo is the loopback interface, which the other node cannot "
+                            "reach; name the interface the nodes share (ib0, hsn0, eth0)")
+    if problems:
+        return "wrong: " + "; ".join(problems)
+    return "correct: 2 nodes, one torchrun per node with 4 processes each, meeting on the job's first node"
+
+
+def solution_ddp_sbatch() -> str:
+    return """#!/bin/bash
+#SBATCH --job-name=ddp
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --time=00:30:00
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+srun torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d --rdzv_endpoint "$head:29500" --rdzv_id "$SLURM_JOB_ID" -m tutorial.train_ddp --preset workshop
+"""
