@@ -1,4 +1,5 @@
-"""02_data_parallel: one DataParallel step spelled out by hand, and DataParallel's throughput."""
+"""02_data_parallel: one DataParallel step spelled out by hand, its picture, DataParallel's throughput, and the
+exercises' checkers and solutions (combining replica gradients; saving a wrapped model)."""
 from __future__ import annotations
 
 import copy
