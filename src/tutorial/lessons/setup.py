@@ -66,8 +66,8 @@ def draw_ring_allreduce(states: list[dict]):
 
 # ------------------------------------------------------------------------------------------------- the exercise
 def _run_on_rank(fn, seconds: float):
-    """On an engine: fn(rank + 1) in the process group the notebook made by hand, or in a fresh gloo group whose
-    collectives give up after `seconds`. Returns ("ok", value) or ("error", "Type: first line")."""
+    """On an engine: fn(rank + 1) in a fresh gloo group whose collectives give up after `seconds` (00 destroys its
+    own group first), or in the existing group if there is one. Returns ("ok", value) or ("error", "Type: ...")."""
     import datetime
     import torch.distributed as dist
     created = not dist.is_initialized()
