@@ -58,7 +58,8 @@ def test_exercise_3_no_sync(cluster):
 
 
 def test_exercise_4_metrics_averaged(cluster):
-    assert ddp.check_epoch_loss(cluster, ddp.solution_epoch_loss) == "correct: every rank reports 2, the mean over all 6 samples"
+    correct = "correct: every rank reports 2, the mean over all 6 samples"
+    assert ddp.check_epoch_loss(cluster, ddp.solution_epoch_loss) == correct
     verdict = ddp.check_epoch_loss(cluster, skeleton("### Exercise 4"))
     assert verdict.startswith("wrong: every rank reports 2.25, the mean of the ranks' means") and "counts" in verdict
 

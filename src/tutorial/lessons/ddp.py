@@ -169,7 +169,8 @@ def backward_timeline(prof) -> list[dict]:
     launches = [e for e in events if e.name.startswith("all-reduce bucket ")]
     collectives = [e for e in events if re.fullmatch(r"(gloo|nccl):all_reduce", e.name)]
     t0 = backward[0].time_range.start
-    rows = [{"lane": "backward", "what": e.name[len(prefix):].removesuffix("Backward0"),
+    rows = [{"lane": "backward",
+             "what": e.name[len(prefix):].removesuffix("Backward0").replace("torch::autograd::", ""),
              "start_ms": (e.time_range.start - t0) / 1e3, "end_ms": (e.time_range.end - t0) / 1e3} for e in backward]
     for i, launch in enumerate(launches):
         end = collectives[i].time_range.end if i < len(collectives) else launch.time_range.end
@@ -244,7 +245,8 @@ def check_epoch_orders(epoch_orders, world_size: int = 2, epochs: int = 3, n: in
             if orders[rank][epoch] != list(sampler):
                 return (f"wrong: rank {rank}'s epoch {epoch} reads {orders[rank][epoch]}, not the order "
                         f"set_epoch({epoch}) gives, {list(sampler)}: call set_epoch(epoch) once, before the epoch")
-    return f"correct: a new shuffle every epoch, and the {world_size} ranks together read all {n} samples once per epoch"
+    return (f"correct: a new shuffle every epoch, and the {world_size} ranks together read all {n} samples once "
+            "per epoch")
 
 
 def solution_epoch_orders(rank, world_size, epochs):
