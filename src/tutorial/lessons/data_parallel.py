@@ -156,13 +156,15 @@ def check_replica_gradient(data_parallel_gradient) -> str:
     if torch.allclose(got, full, atol=1e-6):
         return "correct: the replicas' gradients combine to the full-batch gradient (slices 11, 11, 10)"
     ratio = (got.norm() / full.norm()).item()
+    slices = [len(x) for x in X.chunk(3)]
     if abs(ratio - 3) < 0.3:
-        return (f"wrong: the gradient is {ratio:.2f}x the full-batch gradient: each replica's loss is a mean over its "
-                "slice, so summing 3 replicas' gradients counts the batch 3 times; weight replica i by "
-                "len(slice i) / len(X)")
+        return (f"wrong: the gradient is {ratio:.2f}x the full-batch gradient (slices {slices}): each replica's loss "
+                "is a mean over its slice, so summing 3 replicas' gradients counts the batch 3 times; weight replica "
+                "i by len(slice i) / len(X)")
     worst = ((got - full).abs().max() / full.abs().max()).item()
-    return (f"wrong: off by up to {worst:.1%} of the largest gradient: dividing the sum by the number of replicas "
-            "weights the 10-sample slice like the 11-sample ones; weight replica i by len(slice i) / len(X)")
+    return (f"wrong: off by up to {worst:.1%} of the largest gradient (slices {slices}): dividing the sum by the "
+            "number of replicas weights the 10-sample slice like the 11-sample ones; weight replica i by "
+            "len(slice i) / len(X)")
 
 
 def solution_data_parallel_gradient(model, X, y, replicas=3):
