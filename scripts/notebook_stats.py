@@ -19,10 +19,10 @@ API = re.compile(r"""
     \bdist\.\w+ | torch\.distributed | init_process_group | DistributedSampler | set_epoch\(
   | \bDDP\( | DistributedDataParallel | DataParallel\( | no_sync\(
   | autocast\( | GradScaler | torch\.profiler | \bprofile\( | record_function
-  | \bhvd\.\w+ | horovodrun | \bhorovod\.
+  | \bhvd\.\w+ | horovod\.torch
   | fully_shard | deepspeed\.\w+ | \bTrainer\( | LightningModule
-  | [!%]\s*\S*(torchrun|torch\.distributed\.run|mpirun|mpiexec|srun|sbatch|qsub)\b | \{sys\.executable\}\s+-m\s+torch\.distributed\.run
-""", re.X)
+  | ^\s*!.*\b(torchrun|torch\.distributed\.run|mpirun|mpiexec|horovodrun|srun|sbatch|qsub)\b | \{sys\.executable\}\s+-m\s+torch\.distributed\.run
+""", re.X | re.M)
 EXERCISE = re.compile(r"^### Exercise \d+: ")
 
 
