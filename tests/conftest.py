@@ -89,3 +89,12 @@ def skeleton(notebook: str, heading: str, name: str | None = None):
     if name:
         return namespace[name]
     return next(v for k, v in namespace.items() if callable(v) and not k.startswith("__"))
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """Two local notebook engines, started once for all the exercise checkers that run code on ranks (each checker
+    makes and leaves its own process group); stopped at the end of the session."""
+    from tutorial.launch import engines
+    with engines.start(n=2) as c:
+        yield c

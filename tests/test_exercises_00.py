@@ -1,13 +1,6 @@
 """00_setup's exercise: the checker accepts the package's solution and rejects the notebook's unedited skeleton."""
-import pytest
 from conftest import skeleton
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    from tutorial.launch import engines
-    with engines.start(n=2) as c:
-        yield c
 
 
 def test_exercise_1_all_reduce_works_in_place(cluster):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from conftest import PYTHON, ROOT, run
 from conftest import skeleton as notebook_skeleton
 
@@ -14,12 +13,6 @@ from tutorial.lessons import ddp
 def skeleton(heading: str):
     return notebook_skeleton("03_distributed_data_parallel", heading)
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    from tutorial.launch import engines
-    with engines.start(n=2) as c:
-        yield c
 
 
 def test_exercise_1_set_epoch():

@@ -143,12 +143,6 @@ def skeleton(heading: str):
     return notebook_skeleton("10_when_things_go_wrong", heading)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    from tutorial.launch import engines
-    with engines.start(n=2) as c:
-        yield c
-
 
 def test_exercise_1_checker_accepts_the_solution_and_names_the_hang(cluster):
     from tutorial.lessons import failures

@@ -70,36 +70,9 @@ def checkpoint_epochs(out: str) -> int:
         return 0
 
 
-def torchrun_losing_a_worker(out: str, args: list[str], after_epochs: int, max_restarts: int = 1,
-                             timeout: float = 300) -> dict:
-    """`torchrun --max-restarts N ... --resume --out OUT` with 2 workers; once the checkpoint holds `after_epochs`
-    epochs, one worker is SIGKILLed (a node's OOM killer, say). torchrun then stops the other worker and starts both
-    again, and they resume from the checkpoint. Returns the command, torchrun's exit code and its output."""
-    import psutil
-    from ..launch import commands, processes
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--max-restarts", str(max_restarts), "-m", "tutorial.train_ddp", *args, "--resume", "--out", out]
-    nodes = processes.Nodes([cmd], processes.launcher_env())
-    torchrun = nodes.procs[0]
-    try:
-        deadline = time.monotonic() + timeout
-        while checkpoint_epochs(out) < after_epochs:
-            if time.monotonic() > deadline or torchrun.poll() is not None:
-                raise RuntimeError(f"the run did not reach epoch {after_epochs}:\n{nodes.text(0)[-2000:]}")
-            time.sleep(0.02)
-        victim = psutil.Process(torchrun.pid).children()[-1]
-        victim.kill()
-        torchrun.wait(timeout=max(1.0, deadline - time.monotonic()))
-        return dict(command=commands.display(cmd), returncode=torchrun.returncode, output=nodes.text(0),
-                    killed_after_epochs=after_epochs)
-    finally:
-        nodes.close()
-
-
-def walltime(command: list[str], out: str, after_epochs: int, grace: float = 30, timeout: float = 300) -> dict:
-    """Run a training command as a batch job that reaches its walltime once the checkpoint in `out` holds
-    `after_epochs` epochs: SIGTERM, then SIGKILL `grace` seconds later if it is still running (Slurm's KillWait, PBS's
-    kill_delay). Returns the command, the exit code and the output."""
+def _interrupted(command: list[str], out: str, after_epochs: int, interrupt, timeout: float) -> dict:
+    """Run `command`; once the checkpoint in `out` holds `after_epochs` epochs, call interrupt(process, seconds
+    left) and wait for the end. Returns the command, the exit code and the output; nothing is left running."""
     from ..launch import commands, processes
     nodes = processes.Nodes([command], processes.launcher_env())
     job = nodes.procs[0]
@@ -109,15 +82,41 @@ def walltime(command: list[str], out: str, after_epochs: int, grace: float = 30,
             if time.monotonic() > deadline or job.poll() is not None:
                 raise RuntimeError(f"the run did not reach epoch {after_epochs}:\n{nodes.text(0)[-2000:]}")
             time.sleep(0.02)
+        interrupt(job, max(1.0, deadline - time.monotonic()))
+        return dict(command=commands.display(command), returncode=job.returncode, output=nodes.text(0))
+    finally:
+        nodes.close()
+
+
+def torchrun_losing_a_worker(out: str, args: list[str], after_epochs: int, max_restarts: int = 1,
+                             timeout: float = 300) -> dict:
+    """`torchrun --max-restarts N ... --resume --out OUT` with 2 workers; once the checkpoint holds `after_epochs`
+    epochs, one worker is SIGKILLed (a node's OOM killer, say). torchrun then stops the other worker and starts both
+    again, and they resume from the checkpoint. Returns the command, torchrun's exit code and its output."""
+    import psutil
+
+    def kill_a_worker(torchrun, seconds_left):
+        psutil.Process(torchrun.pid).children()[-1].kill()
+        torchrun.wait(timeout=seconds_left)
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--max-restarts", str(max_restarts), "-m", "tutorial.train_ddp", *args, "--resume", "--out", out]
+    return _interrupted(cmd, out, after_epochs, kill_a_worker, timeout)
+
+
+def walltime(command: list[str], out: str, after_epochs: int, grace: float = 30, timeout: float = 300) -> dict:
+    """Run a training command as a batch job that reaches its walltime once the checkpoint in `out` holds
+    `after_epochs` epochs: SIGTERM, then SIGKILL `grace` seconds later if it is still running (Slurm's KillWait, PBS's
+    kill_delay). Returns the command, the exit code and the output."""
+    def sigterm_then_sigkill(job, seconds_left):
         job.send_signal(signal.SIGTERM)
         try:
             job.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             job.kill()
             job.wait()
-        return dict(command=commands.display(command), returncode=job.returncode, output=nodes.text(0))
-    finally:
-        nodes.close()
+
+    return _interrupted(command, out, after_epochs, sigterm_then_sigkill, timeout)
 
 
 def fresh_dir(name: str) -> str:
