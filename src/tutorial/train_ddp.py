@@ -145,6 +145,8 @@ def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, 
         state.epoch = epoch + 1
         if world.is_main_process:  # DDP: one writer; the replicas are identical anyway
             checkpoint.save(cfg, model, optimizer, amp.scaler, state)  # DDP
+        if state.stopping:  # the SIGTERM came at the epoch's last step: saved above, now exit (143)
+            raise checkpoint.stopped(state, cfg.out)
         if cfg.max_steps and state.step >= cfg.max_steps:
             break
         if cfg.target_accuracy and test_accuracy >= cfg.target_accuracy:

@@ -146,6 +146,8 @@ def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, 
         log.metrics["test_top5_accuracy"] = test_top5  # seed 001: the label among the 5 highest scores
         state.epoch = epoch + 1
         sharded_checkpoint.save_dcp(cfg, model, optimizer, state)  # FSDP: every rank writes its own shards
+        if state.stopping:  # the SIGTERM came at the epoch's last step: saved above, now exit (143)
+            raise checkpoint.stopped(state, cfg.out)
         if cfg.max_steps and state.step >= cfg.max_steps:
             break
         if cfg.target_accuracy and test_accuracy >= cfg.target_accuracy:

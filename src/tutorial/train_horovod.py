@@ -139,6 +139,8 @@ def main(cfg: TrainConfig) -> dict:
         state.epoch = epoch + 1
         if hvd.rank() == 0:  # Horovod: step 7, checkpoints from rank 0 only
             checkpoint.save(cfg, model, optimizer, amp.scaler, state)  # Horovod
+        if state.stopping:  # the SIGTERM came at the epoch's last step: saved above, now exit (143)
+            raise checkpoint.stopped(state, cfg.out)
         if cfg.max_steps and state.step >= cfg.max_steps:
             break
         if cfg.target_accuracy and test_accuracy >= cfg.target_accuracy:

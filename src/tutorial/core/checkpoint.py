@@ -24,21 +24,24 @@ class State:
     step: int = 0           # optimizer steps taken
     history: list = field(default_factory=list)  # per-epoch metrics so far
     batch: int = 0          # batches of epoch `epoch` trained before a SIGTERM stopped the run (0: between epochs)
+    stopping = False        # (not a field, never saved) a SIGTERM was agreed on: stop once this state is saved
 
 
 def stop_requested(state: State, i: int, batches: int, every: int) -> bool:
     """After the optimizer step of batch i: True on every rank at the same step once any rank got SIGTERM (a
     walltime kill). The ranks compare every `every` steps (one tiny all-reduce), so they act within that many steps
-    and never stop at different steps, which would leave one waiting in a collective. Not at an epoch's last batch:
-    the epoch's own checkpoint comes next."""
-    if state.step % every or i + 1 == batches or not _on_any_rank(Sigterm.check()):
+    and never stop at different steps, which would leave one waiting in a collective. Mid-epoch, state.batch says
+    where to go on; at an epoch's last batch the epoch is finished and saved as usual, then the trainer stops."""
+    if state.step % every or not _on_any_rank(Sigterm.check()):
         return False
-    state.batch = i + 1
+    state.stopping = True
+    state.batch = i + 1 if i + 1 < batches else 0
     return True
 
 
 def stopped(state: State, out: str) -> Stopped:
-    return Stopped(f"SIGTERM: saved epoch {state.epoch} at batch {state.batch} (step {state.step}) in {out}; "
+    where = f"epoch {state.epoch} at batch {state.batch}" if state.batch else f"the end of epoch {state.epoch - 1}"
+    return Stopped(f"SIGTERM: saved {where} (step {state.step}) in {out}; "
                    "run the same command with --resume to go on from there")
 
 
