@@ -91,10 +91,10 @@ def skeleton(notebook: str, heading: str, name: str | None = None):
     return next(v for k, v in namespace.items() if callable(v) and not k.startswith("__"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster():
-    """Two local notebook engines, started once for all the exercise checkers that run code on ranks (each checker
-    makes and leaves its own process group); stopped at the end of the session."""
+    """Two local notebook engines for a test module's exercise checkers that run code on ranks (each checker makes
+    and leaves its own process group). Per module, not per session: later modules check that nothing is left."""
     from tutorial.launch import engines
     with engines.start(n=2) as c:
         yield c
