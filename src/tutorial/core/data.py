@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import io
 import os
+import signal
 import socket
 import sys
 import time
@@ -205,7 +206,15 @@ def make_loader(dataset, cfg: TrainConfig, device: torch.device, sampler=None, b
         num_workers=cfg.workers,
         pin_memory=cfg.pin_memory and device.type == "cuda",
         persistent_workers=cfg.workers > 0,
+        worker_init_fn=leave_sigterm_to_the_trainer if cfg.workers > 0 else None,
     )
+
+
+def leave_sigterm_to_the_trainer(worker_id: int) -> None:
+    """In each loader worker: ignore SIGTERM. Slurm and torchrun send it to every process of the job, and a worker
+    killed by it makes its trainer fail ("DataLoader worker ... is killed by signal: Terminated") instead of saving
+    (10_when_things_go_wrong). The trainer decides; its workers end with it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def shard(dataset, rank: int, world_size: int):
