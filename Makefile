@@ -73,6 +73,8 @@ bench: install
 	$(BIN)/python benchmarks/bare_loop.py --threads 1 --stage single,ddp,horovod --nproc 2
 	$(BIN)/python benchmarks/bare_loop.py --threads 1 --stage single,ddp,horovod --nproc 2 --dataset synthetic \
 		--model resnet18 --batch-size 8 --warmup 3 --steps 10 --repeats 6
+	$(BIN)/python benchmarks/bare_loop.py --threads 1 --stage single,ddp --nproc 2 --instructions --warmup 2 \
+		--steps 10
 
 # Not behind `install`: it must also run on a bare GPU machine with torch only (scripts/gpu_check.sh says how).
 gpu-check:

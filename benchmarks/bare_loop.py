@@ -10,13 +10,23 @@ the ratio of their step times to results/overhead.jsonl. The goal: trainer step 
     python benchmarks/bare_loop.py --threads 1                      # smoke: cnn, 1x8x8 digits-shaped images, batch 32
     python benchmarks/bare_loop.py --threads 1 --stage single,ddp,horovod --nproc 2
     python benchmarks/bare_loop.py --threads 1 --stage ddp,horovod --dataset synthetic --model resnet18 --batch-size 8
+    python benchmarks/bare_loop.py --threads 1 --stage single,ddp --instructions --warmup 2 --steps 10
+
+Times on a shared machine move by several per cent from run to run, so many ABBA runs are needed to resolve a 3 %
+difference. --instructions counts instead: every process runs under valgrind's callgrind and the ratio is of the
+instructions per step each side executes, which other programs on the machine do not change: what the trainer's code
+adds (not what memory stalls or a neighbour cost; on a GPU the kernels are not counted at all, so use it on a CPU).
+Single and DDP only: Horovod's main thread waits by polling, so its counts would measure waiting.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -153,6 +163,9 @@ def compare(argv=None) -> int:
     parser.add_argument("--timeout", type=int, default=3600, help="seconds all runs of one stage may take")
     parser.add_argument("--calibrate", action="store_true", help="time the bare loop against itself (A/A): the "
                                                                   "spread and bias that noise alone gives")
+    parser.add_argument("--instructions", action="store_true", help="count instructions per step under callgrind "
+                                                                     "instead of timing (needs valgrind; slow: use "
+                                                                     "--warmup 2 --steps 10)")
     parser.add_argument("--results-dir", default="results")
     args = parser.parse_args(argv)
     # The launched processes import this file as the module bare_loop (cloudpickle, which horovod.run uses, would
@@ -177,6 +190,13 @@ def compare(argv=None) -> int:
             nproc = 1 if stage == "single" else args.nproc
             if nproc > bench.available_processes("gloo")[0] or nproc < 1:
                 raise ConfigError(f"--nproc {nproc} is not between 1 and the processes this machine fits")
+        if args.instructions and not shutil.which("valgrind"):
+            raise ConfigError("--instructions needs valgrind's callgrind: apt-get install valgrind")
+        if args.instructions and "horovod" in stages:
+            raise ConfigError("--instructions counts single and ddp only: Horovod waits for its background thread by "
+                              "polling (WaitAndClear spins on sched_yield), so its counts measure waiting, not work")
+        if args.instructions and args.calibrate:
+            raise ConfigError("--instructions needs no --calibrate: other programs do not change a count")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -192,9 +212,20 @@ def compare(argv=None) -> int:
         trainer = f"{stage}, bare loop against itself" if args.calibrate else stage
         job = dict(stage=stage, cfg=cfg.to_dict(), shape=shape, warmup=args.warmup, steps=args.steps,
                    repeats=args.repeats, threads=args.threads, calibrate=args.calibrate)
-        launch = bench.launch_horovod if stage == "horovod" else bench.launch
-        print(f"{stage}: {args.repeats} runs of each, alternating, in {nproc} process(es)", flush=True)
-        sides = launch(this._pairs, job, nproc, args.timeout)
+        try:
+            if args.instructions:
+                line, path = record_instructions(stage, job, nproc, args, argv, cfg)
+                summary_lines.append(line)
+                continue
+            launch = bench.launch_horovod if stage == "horovod" else bench.launch
+            print(f"{stage}: {args.repeats} runs of each, alternating, in {nproc} process(es)", flush=True)
+            sides = launch(this._pairs, job, nproc, args.timeout)
+        except ConfigError as exc:  # e.g. the real data is not there
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except RuntimeError as exc:  # a failed or timed-out run: its first failure in a few lines
+            print(f"error: {stage}: {exc}", file=sys.stderr)
+            return 1
         # Per run: the median step time (what a step costs; a step the OS preempted does not move it), the mean (what
         # throughput sees) and the fastest step (what a step costs when nothing else runs: the steadiest on a busy
         # machine). The ratio of medians is the overhead; the others are recorded beside it. With one thread, the
@@ -207,8 +238,8 @@ def compare(argv=None) -> int:
         ci = f"{interval[0]:.3f}-{interval[1]:.3f}" if interval else "n/a (under 6 runs)"
         line = (f"{trainer} x{nproc}: {'bare again' if args.calibrate else 'trainer'} {medians['trainer']:.3f} "
                 f"ms/step, bare {medians['bare']:.3f} ms/step, ratio {r:.3f} (95 % CI {ci}, range "
-                f"{min(ratio['median']):.3f}-{max(ratio['median']):.3f}) over {args.repeats} ABBA runs, fastest-step ratio "
-                f"{statistics.median(ratio['fastest']):.3f}"
+                f"{min(ratio['median']):.3f}-{max(ratio['median']):.3f}) over {args.repeats} ABBA runs, fastest-step "
+                f"ratio {statistics.median(ratio['fastest']):.3f}"
                 + (f", CPU-time ratio {statistics.median(ratio['cpu']):.3f}" if ratio["cpu"] else "")
                 + f": {'meets' if r <= OVERHEAD_GOAL else 'misses'} <= {OVERHEAD_GOAL}")
         print(line, flush=True)
@@ -227,7 +258,7 @@ def compare(argv=None) -> int:
         path = bench.append_result(args.results_dir, "overhead",
                                    ["python", "benchmarks/bare_loop.py", *(argv or [])], params, results)
     print(f"\n{cfg.model} {info.in_channels}x{size}x{size}, batch {cfg.batch_size} per process, {cfg.precision}, "
-          f"{sides['threads']} thread(s) per process, {'cuda' if torch.cuda.is_available() else 'cpu'}")
+          f"{args.threads or 'default'} thread(s) per process, {'cuda' if torch.cuda.is_available() else 'cpu'}")
     print("\n".join(summary_lines))
     print(f"appended to {path}")
     return 0
@@ -259,6 +290,84 @@ def _pairs(job: dict, rank: int, nproc: int) -> dict:
             print(f"  run {i + 1}/{job['repeats']}: median step: bare {sides['bare']['median'][-1] * 1000:.3f} ms  "
                   f"trainer {sides['trainer']['median'][-1] * 1000:.3f} ms", flush=True)
     return dict(sides, threads=torch.get_num_threads())
+
+
+# ----------------------------------------------------------------------- instructions per step, counted by callgrind
+def record_instructions(stage, job, nproc, args, argv, cfg):
+    """Run every process of the stage under callgrind (collection off until the worker turns it on), then read rank
+    0's counts: per side, (instructions of warmup + 2n steps - those of warmup + n steps) / n, so set-up cancels.
+    Only the main thread is counted (callgrind switches counting on per thread): the training loop's own work, not
+    gloo's background threads; torch.distributed's waits sleep, so they add (almost) nothing."""
+    from tutorial import bench
+    from tutorial.launch import processes
+    n = args.steps
+    print(f"{stage}: instructions of {job['warmup']}+{n} and {job['warmup']}+{2 * n} steps of each, under callgrind "
+          f"in {nproc} process(es) (a few hundred times slower than native: ~10 min at --steps 10)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="callgrind-") as tmp:
+        with open(os.path.join(tmp, "job.json"), "w") as f:
+            json.dump(dict(job, nproc=nproc), f)
+        grind = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--separate-threads=yes",
+                 f"--callgrind-out-file={tmp}/cg.%q{{RANK}}",
+                 sys.executable, "-c", f"import bare_loop; bare_loop._count({os.path.join(tmp, 'job.json')!r})"]
+        launcher = [] if stage == "single" else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                 "--nproc-per-node", str(nproc), "--no-python"]
+        single = {"RANK": 0} if stage == "single" else {}  # the dumps are named by rank; torchrun sets it
+        processes.launch(launcher + grind, timeout=args.timeout,
+                         env=processes.launcher_env(threads=args.threads or 1, **single))
+        c = [_callgrind_total(tmp, dump) for dump in (1, 2, 3, 4)]
+    main = dict(bare=(c[1] - c[0]) / n, trainer=(c[3] - c[2]) / n)
+    if min(main.values()) <= 0:
+        raise RuntimeError(f"instructions per step came out as {main}: the longer runs must count more")
+    ratio = main["trainer"] / main["bare"]
+    line = (f"{stage} x{nproc}: trainer {main['trainer'] / 1e6:.3f} M instructions/step, bare {main['bare'] / 1e6:.3f} "
+            f"M (rank 0's main thread), ratio {ratio:.4f}: {'meets' if ratio <= OVERHEAD_GOAL else 'misses'} <= "
+            f"{OVERHEAD_GOAL}")
+    print(line, flush=True)
+    params = dict(job["shape"], trainer=stage, nproc=nproc, preset=cfg.preset_name, dataset=cfg.dataset,
+                  threads=args.threads or 1, device="cpu", warmup_steps=job["warmup"], measured_steps=n,
+                  measure="instructions per step (valgrind callgrind), rank 0's main thread; ((warmup + 2n steps) - "
+                          "(warmup + n steps)) / n")
+    results = dict(instruction_ratio=ratio, goal=OVERHEAD_GOAL, meets_goal=ratio <= OVERHEAD_GOAL,
+                   instructions_per_step=main)
+    path = bench.append_result(args.results_dir, "overhead", ["python", "benchmarks/bare_loop.py", *(argv or [])],
+                               params, results)
+    return line, path
+
+
+def _callgrind_total(folder: str, dump: int) -> int:
+    """The instructions in one dump of rank 0's main thread (thread 01)."""
+    name = os.path.join(folder, f"cg.0.{dump}-01")
+    if not os.path.exists(name):
+        raise RuntimeError(f"callgrind wrote no dump {dump} for rank 0 in {folder}")
+    with open(name) as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("totals:"))
+
+
+def _count(job_file: str) -> None:
+    """In every process, under callgrind: each side runs warmup + n and warmup + 2n steps, and torch's valgrind hooks
+    turn counting on for exactly each run and write a dump after it (dumps 1, 2: bare loop; 3, 4: trainer)."""
+    from tutorial import bench
+    from tutorial.bench import measure
+    from tutorial.core.config import TrainConfig
+    with open(job_file) as f:
+        job = json.load(f)
+    stage, cfg, n = job["stage"], TrainConfig(**job["cfg"]), job["steps"]
+    measure.share_cores(job["nproc"], job["threads"])
+    if stage == "ddp":  # one process group for both sides, as in _pairs
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+    # One uncounted run of each side first: the first run in a process also pays for lazy initialisation (oneDNN
+    # compiling its kernels, first imports), which would land in the first count only.
+    bare_loop(stage, **job["shape"], warmup=0, steps=1)
+    bench.measure_run(stage, cfg, 0, 1)
+    for side in ("bare", "trainer"):
+        for steps in (n, 2 * n):
+            torch._C._valgrind_toggle()
+            if side == "bare":
+                bare_loop(stage, **job["shape"], warmup=job["warmup"], steps=steps)
+            else:
+                bench.measure_run(stage, cfg, job["warmup"], steps)
+            torch._C._valgrind_toggle_and_dump_stats()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -128,10 +130,15 @@ def test_allreduce_gloo_two_processes(tmp_path, capsys):
         assert row["busbw_GBps"]["median"] == pytest.approx(row["algbw_GBps"]["median"])
 
 
-def test_bare_loop_runs_the_package_model_without_package_code():
+def load_bare_loop():
     spec = importlib.util.spec_from_file_location("bare_loop", ROOT / "benchmarks" / "bare_loop.py")
     bare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bare)
+    return bare
+
+
+def test_bare_loop_runs_the_package_model_without_package_code():
+    bare = load_bare_loop()
     ours, theirs = bare.make_model("cnn", 1, 10, 8), build_model("cnn", DataInfo(1, 10, 8))
     assert [p.shape for p in ours.parameters()] == [p.shape for p in theirs.parameters()]
     loop_part = (ROOT / "benchmarks" / "bare_loop.py").read_text().split("def compare")[0]
@@ -156,6 +163,34 @@ def test_overhead_comparison_records_a_ratio_per_stage(tmp_path):
         check_line(line, "overhead")
         check_summary(line["results"]["ratio"])
         assert line["results"]["ratio"]["median"] > 0 and line["parameters"]["threads"] == 1
+
+
+@pytest.mark.skipif(not shutil.which("valgrind"), reason="valgrind is not installed (only --instructions needs it)")
+def test_instruction_counts_are_read_from_callgrind_dumps(tmp_path):
+    """A real callgrind dump (of /bin/true: a second under valgrind) is read back as valgrind itself counted it."""
+    run = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp_path}/cg.0.1-01", "true"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    collected = int(re.search(r"Collected : (\d+)", run.stderr).group(1))
+    assert load_bare_loop()._callgrind_total(tmp_path, 1) == collected > 10_000
+    with pytest.raises(RuntimeError, match="no dump 2 for rank 0"):
+        load_bare_loop()._callgrind_total(tmp_path, 2)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--stage", "ddp,fsdp"], "--stage 'ddp,fsdp': choose from single, ddp, horovod"),
+    (["--steps", "0"], "--steps and --repeats must be at least 1"),
+    (["--instructions", "--calibrate"], "--instructions needs no --calibrate"),
+    (["--instructions", "--stage", "ddp,horovod"], "Horovod waits for its background thread by polling"),
+    (["--instructions", "--no-valgrind-on-path"], "needs valgrind's callgrind: apt-get install valgrind"),
+])
+def test_bare_loop_bad_input_is_one_line_and_exit_2(args, says, capsys, monkeypatch, tmp_path):
+    if "--no-valgrind-on-path" in args:  # a PATH with python but no valgrind
+        args = [a for a in args if a != "--no-valgrind-on-path"]
+        monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # compare() prepends benchmarks/ to it
+    assert load_bare_loop().compare([*args, "--results-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and err.count("\n") == 1 and not list(tmp_path.iterdir())
 
 
 # -------------------------------------------------------------------------------------------------- bad input
