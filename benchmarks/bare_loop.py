@@ -192,6 +192,8 @@ def compare(argv=None) -> int:
                 raise ConfigError(f"--nproc {nproc} is not between 1 and the processes this machine fits")
         if args.instructions and not shutil.which("valgrind"):
             raise ConfigError("--instructions needs valgrind's callgrind: apt-get install valgrind")
+        if args.instructions and torch.cuda.is_available():
+            raise ConfigError("--instructions counts CPU instructions, not GPU kernels: time the stages on a GPU")
         if args.instructions and "horovod" in stages:
             raise ConfigError("--instructions counts single and ddp only: Horovod waits for its background thread by "
                               "polling (WaitAndClear spins on sched_yield), so its counts measure waiting, not work")
