@@ -58,7 +58,7 @@ def test_exercise_4_metrics_averaged(cluster):
 
 
 def test_capstone(tmp_path):
-    solution = ROOT / "src/tutorial/lessons/capstone_ddp.py"
+    solution = ROOT / "examples/ddp_standalone.py"  # the capstone's solution is the standalone DDP example
     run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", solution,
          "--out", tmp_path / "ddp"])
     assert ddp.check_capstone(tmp_path / "ddp").startswith("correct: 2 ranks, identical replicas")

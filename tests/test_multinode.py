@@ -46,7 +46,7 @@ def test_torchrun_c10d_rendezvous_numbers_two_nodes():
 def test_workers_outlive_a_killed_launcher_until_stopped():
     survivors = multi_node.kill_the_launcher(nproc=2, hold=60)
     assert len(survivors) == 2 and not any(p["zombie"] for p in survivors)
-    assert processes.stop(survivors) == 2
+    assert len(processes.stop(survivors)) == 2
     assert not processes.leftovers()
 
 

@@ -1,5 +1,5 @@
 """06_multi_node's launches across real (virtual) nodes: network namespaces node1 and node2 on one machine, each with
-its own interface, address and host name (scripts/virtual_cluster.sh), and a real Slurm on them.
+its own interface, address and host name (scripts/virtual_cluster.sh, tools/vcluster/), and a real Slurm on them.
 
 Needs root and `ip netns` (CI has both); skipped otherwise. Every test ends with nothing of its own running inside the
 nodes, and the module ends with no namespace, daemon or process left (the fixtures call `down`, also after a failure).
@@ -11,14 +11,17 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from conftest import ROOT
 
-from tutorial.launch import commands, nodes, processes
+from tutorial.launch import commands, processes
 from tutorial.lessons import multi_node
+
+nodes, slurm = multi_node.vcluster()  # the tool, imported from this checkout's tools/vcluster/
 
 WHY_NOT = nodes.available()
 pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=f"no virtual nodes here: {WHY_NOT}")
@@ -38,12 +41,12 @@ def ours_inside() -> dict:
     """Processes running inside the nodes, Slurm's daemons aside: what a test must not leave behind."""
     found = {}
     for node in nodes.nodes():
-        for pid in nodes._netns_pids(node):
+        for pid in nodes.netns_pids(node):
             try:
                 name = Path(f"/proc/{pid}/comm").read_text().strip()
             except OSError:
                 continue
-            if name not in nodes.SLURM_DAEMONS:
+            if name not in slurm.DAEMONS:
                 found[pid] = f"{node}: {name}"
     return found
 
@@ -57,7 +60,7 @@ def machine():
             yield
         finally:
             nodes.down(quiet=True)
-            assert not set(PAIR) & nodes._netns_list(), "namespaces left behind"
+            assert not set(PAIR) & nodes.netns_list(), "namespaces left behind"
 
 
 @pytest.fixture
@@ -72,19 +75,20 @@ def pair(machine):
     while ours_inside() and time.monotonic() < deadline:
         time.sleep(0.2)
     left = ours_inside()
-    nodes._signal_all(list(left))
+    processes.stop(list(left))
     assert not left, f"left running inside the nodes: {left}"
 
 
 @pytest.fixture
 def slurm(pair):
-    """Slurm on the pair: slurmctld on node1, slurmd on both (installed with apt-get the first time)."""
+    """Slurm on the pair: slurmctld on node1, slurmd on both (the tests install it with apt-get the first time, as
+    `virtual_cluster.sh install` does; the notebook never installs anything)."""
     try:
-        nodes.install(nodes.SLURM_PACKAGES)  # the first time: apt-get install slurm-wlm munge
-    except nodes.SetupError as exc:
+        slurm.install(slurm.PACKAGES)
+    except slurm.SetupError as exc:
         pytest.skip(f"no Slurm: {exc}")
-    if not nodes._read_state().get("slurm"):
-        nodes.slurm_up(quiet=True)
+    if not nodes.read_state().get("slurm"):
+        slurm.up(quiet=True)
     return pair
 
 
@@ -113,9 +117,13 @@ WORKER = ["-m", "tutorial.launch.worker"]
 
 # --------------------------------------------------------------------------------------------- the script itself
 def test_bad_input_is_one_line_and_exit_code_2(machine):
-    for args, expected in [(["up", "0"], "N='0' is not a number of nodes"), (["up", "two"], "'two'"),
-                           (["up"], "up takes N"), (["exec", "node7", "true"], "unknown node 'node7'"),
-                           (["frobnicate"], "unknown command")]:
+    for args, expected in [(["up", "0"], "N='0' is not a number of nodes"), (["up", "two"], "N='two' is not"),
+                           (["up"], "the following arguments are required: N"),
+                           (["exec", "node7", "true"], "unknown node 'node7'"),
+                           (["exec", "node7"], "exec needs a node and a command"),
+                           (["slurm", "sideways"], "invalid choice: 'sideways'"),
+                           (["rsh"], "rsh needs a host and a command"),
+                           (["frobnicate"], "invalid choice: 'frobnicate'")]:
         proc = cli(*args)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], (args, proc.stderr)
@@ -123,10 +131,32 @@ def test_bad_input_is_one_line_and_exit_code_2(machine):
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")
 def test_without_root_it_says_so_in_one_line(machine):
-    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(SCRIPT), "up", "2"],
-                          capture_output=True, text=True, timeout=60, cwd="/")
+    """As `nobody`. The checkout may sit in a directory only root can enter (a clone under a private home), so the
+    tool is copied where `nobody` can read it and run by the system's Python: up to its root check it needs only
+    the standard library."""
+    with tempfile.TemporaryDirectory() as public:
+        shutil.copytree(ROOT / "tools" / "vcluster", Path(public, "vcluster"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        for folder, _, files in os.walk(public):
+            os.chmod(folder, 0o755)
+            for name in files:
+                os.chmod(Path(folder, name), 0o644)
+        proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                               os.path.realpath(sys.executable), "-m", "vcluster", "up", "2"],
+                              capture_output=True, text=True, timeout=60, cwd="/", env=dict(PYTHONPATH=public))
     assert proc.returncode == 2 and proc.stderr.strip() == \
         "error: the virtual cluster needs root (network namespaces); run it as root, e.g. with sudo", proc.stderr
+
+
+def test_without_slurm_it_says_how_to_install_it_and_installs_nothing(pair, monkeypatch):
+    """The notebook's path (RehearsalNodes -> slurm.up) never runs apt-get: a missing Slurm is one line naming the
+    command that installs it."""
+    monkeypatch.setattr(slurm, "missing", lambda packages=slurm.PACKAGES: list(packages))
+    monkeypatch.setattr(slurm, "install", lambda *a, **k: pytest.fail("slurm.up ran the installer"))
+    with pytest.raises(nodes.NodesError) as exc:
+        slurm.up(quiet=True)
+    assert str(exc.value) == ("slurm-wlm and munge not installed here; install them with: "
+                              "scripts/virtual_cluster.sh install (apt-get install slurm-wlm munge)")
 
 
 def test_up_exec_down_and_down_again_after_a_crash(machine):
@@ -139,7 +169,7 @@ def test_up_exec_down_and_down_again_after_a_crash(machine):
     down = cli("down")
     assert down.returncode == 0 and down.stdout.strip() == "down: removed node1, node2", down.stderr
     assert orphan.wait(timeout=10) != 0
-    assert not {"node1", "node2", nodes.SWITCH} & nodes._netns_list() and not nodes.STATE.exists()
+    assert not {"node1", "node2", nodes.SWITCH} & nodes.netns_list() and not nodes.STATE.exists()
     assert not any((nodes.NETNS_ETC / n).exists() for n in PAIR)
     assert cli("down").stdout.strip() == "down: nothing was up"
 
@@ -208,8 +238,8 @@ def test_an_unreachable_master_port_is_a_bounded_clear_error(pair, cause):
     give up after --timeout seconds with one line saying who is missing and what to check."""
     if cause == "blocked port":
         try:
-            nodes.install({"nftables": "nft"})
-        except nodes.SetupError as exc:
+            slurm.install(slurm.FIREWALL)
+        except slurm.SetupError as exc:
             pytest.skip(f"no nftables: {exc}")
         for rule in ("add table inet rehearsal",
                      "add chain inet rehearsal input { type filter hook input priority 0; }",
@@ -237,9 +267,9 @@ def test_sbatch_recipes_run_across_both_nodes(slurm, tmp_path):
             continue  # Horovod is not built yet
         out = tmp_path / recipe.split("_")[0]
         env = dict(processes.launcher_env(), OUT=str(out))  # sbatch exports the environment to the job
-        jobs[recipe] = out, nodes.submit(ROOT / "scripts" / "slurm" / recipe, *FAST[2:], env=env, output=f"{out}.log")
+        jobs[recipe] = out, slurm.submit(ROOT / "scripts" / "slurm" / recipe, *FAST[2:], env=env, output=f"{out}.log")
     for recipe, (out, job_id) in jobs.items():
-        info = nodes.wait(job_id, timeout=300)
+        info = slurm.wait(job_id, timeout=300)
         log = Path(f"{out}.log").read_text(errors="replace") if Path(f"{out}.log").exists() else ""
         assert info.get("JobState") == "COMPLETED" and info.get("NodeList") == "node[1-2]", (recipe, info, log[-2000:])
         metrics = json.loads((out / "metrics.json").read_text())

@@ -8,17 +8,16 @@ cfg.synthetic=True random images shaped like any of them (no download, no decodi
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import os
 import signal
 import socket
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .config import ConfigError, TrainConfig
@@ -84,25 +83,21 @@ def one_downloader(folder: str, what: str, timeout: float = 1800):
     there): 8 ranks downloading the same archive at once would fetch it 8 times and unpack it over each other.
     The wait is bounded and says what it waits for."""
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, ".download.lock"), "w") as lock:
-        deadline, told = time.monotonic() + timeout, False
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not told:
-                    print(f"waiting (up to {timeout:.0f} s) for another process downloading {what} into {folder}",
-                          file=sys.stderr, flush=True)
-                    told = True
-                if time.monotonic() > deadline:
-                    raise DataError(f"gave up after {timeout:.0f} s waiting for another process to download {what} "
-                                    f"into {folder}") from None
-                time.sleep(1)
+    lock = FileLock(os.path.join(folder, ".download.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"waiting (up to {timeout:.0f} s) for another process downloading {what} into {folder}",
+              file=sys.stderr, flush=True)
         try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            lock.acquire(timeout=timeout)
+        except Timeout:
+            raise DataError(f"gave up after {timeout:.0f} s waiting for another process to download {what} "
+                            f"into {folder}") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 class GeneratedImages(Dataset):

@@ -104,8 +104,10 @@ class Nodes:
 
     def close(self) -> None:
         """Stop whatever the launch left running (workers in their own sessions included), reap, clean up."""
-        stop(leftovers(self.tag))
+        reaped = {p.pid: p.returncode for p in stop(leftovers(self.tag)) if getattr(p, "returncode", None) is not None}
         for p in self.procs:
+            if p.returncode is None and p.pid in reaped:  # psutil reaped our child: Popen can no longer see its status
+                p.returncode = reaped[p.pid]
             p.wait()
         self.dir.cleanup()
 
@@ -165,22 +167,35 @@ def leftovers(tag: str | None = TAG, names: tuple[str, ...] = ()) -> list[dict]:
     return found
 
 
-def stop(processes: list[dict], grace: float = 5.0) -> int:
-    """SIGTERM, then SIGKILL what is still there after `grace` seconds. Returns how many were signalled.
-    Named pids only: `pkill -9 python` (seed 001's cure) would also kill your Jupyter kernel."""
+def stop(processes: list[dict] | list[int], grace: float = 5.0) -> list[psutil.Process]:
+    """terminate(), wait up to `grace` seconds, kill() what is left and wait again: the one way this project stops
+    processes (launches, clusters, the virtual nodes). `processes` are `leftovers()` dicts or pids. Returns the
+    processes it signalled; one that was our child was reaped here, and its `returncode` is its exit status.
+    Named pids only: `pkill -9 python` would also kill your Jupyter kernel."""
     targets = []
     for p in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
-            targets.append(psutil.Process(p["pid"]))
-    targets = [p for p in targets if _alive(p)]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in filter(_alive, targets):
-            with contextlib.suppress(psutil.NoSuchProcess):  # psutil spares a pid that another process now has
-                p.send_signal(sig)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(_alive(p) for p in targets):
-            time.sleep(0.1)
-    return len(targets)
+            targets.append(psutil.Process(p["pid"] if isinstance(p, dict) else p))
+    targets = [p for p in targets if _alive(p) and p.pid != os.getpid()]
+    for p in targets:
+        with contextlib.suppress(psutil.NoSuchProcess):  # psutil spares a pid that another process now has
+            p.terminate()
+    survivors = _wait_procs(targets, grace)
+    for p in survivors:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    _wait_procs(survivors, grace)
+    return targets
+
+
+def _wait_procs(targets: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """psutil.wait_procs, except that a zombie counts as gone: an orphan killed here has ended even when this
+    machine's init never reaps it, and wait_procs would wait the whole timeout for its reaping."""
+    deadline, alive = time.monotonic() + timeout, list(targets)
+    while alive and time.monotonic() < deadline:
+        _, alive = psutil.wait_procs(alive, timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+        alive = [p for p in alive if _alive(p)]
+    return alive
 
 
 def _alive(process: psutil.Process) -> bool:

@@ -3,6 +3,8 @@ rehearsal 5's virtual nodes."""
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import json
 import socket
 import subprocess
@@ -13,7 +15,6 @@ import uuid
 from pathlib import Path
 
 from ..core.process import free_port
-from ..launch import nodes
 from ..launch.commands import manual_commands
 from ..launch.processes import Launch, Nodes, launch, launcher_env, leftovers
 
@@ -81,33 +82,55 @@ def interfaces() -> dict[str, list[str]]:
         return {name: [] for _, name in socket.if_nameindex()}
 
 
+CHECKOUT = Path(__file__).resolve().parents[3]  # src/tutorial/lessons/ -> the checkout (an editable install)
+
+
 def script(relpath: str) -> None:
     """Print one of the repository's launch recipes (scripts/pbs/..., scripts/slurm/...), never a pasted copy."""
-    path = Path(__file__).resolve().parents[3] / "scripts" / relpath  # src/tutorial/lessons/ -> the checkout
+    path = CHECKOUT / "scripts" / relpath
     if not path.exists():
         raise FileNotFoundError(f"no launch recipe scripts/{relpath} (this needs the repository checkout)")
     print(path.read_text().rstrip())
 
 
+def vcluster():
+    """The virtual-cluster tool of the checkout (tools/vcluster/, behind scripts/virtual_cluster.sh): its `nodes`
+    and `slurm` modules. It is not part of the installed package (it needs root and writes system files), so it is
+    imported by its path; None without a checkout."""
+    if "vcluster" not in sys.modules:
+        init = CHECKOUT / "tools" / "vcluster" / "__init__.py"
+        if not init.exists():
+            return None
+        spec = importlib.util.spec_from_file_location("vcluster", init, submodule_search_locations=[str(init.parent)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["vcluster"] = package
+        spec.loader.exec_module(package)
+    return importlib.import_module("vcluster.nodes"), importlib.import_module("vcluster.slurm")
+
+
 class RehearsalNodes:
     """Rehearsal 5's nodes: virtual nodes (scripts/virtual_cluster.sh: network namespaces, each with its own interface,
-    address and host name) with Slurm when this machine can make them (root and `ip netns`), otherwise "nodes" on
-    localhost as in the rehearsals before. `close()` removes the nodes, the daemons and whatever runs on them."""
+    address and host name) with Slurm when this machine can make them (root, `ip netns`, and for Slurm its packages),
+    otherwise "nodes" on localhost as in the rehearsals before. Installs nothing: without Slurm it says which command
+    installs it. `close()` removes the nodes, the daemons and whatever runs on them."""
 
     def __init__(self, n: int = 2, slurm: bool = True, lock_timeout: float = 300):
         self.names = [f"node{i}" for i in range(1, n + 1)]
-        self.why_not, self.slurm, self.slurm_note = nodes.available(), False, ""
+        self.slurm, self.slurm_note = False, ""
         self._stack = contextlib.ExitStack()
+        tool = vcluster()
+        self.why_not = tool[0].available() if tool else "no tools/vcluster (this needs the repository checkout)"
+        self._nodes, self._slurm = tool or (None, None)
         if not self.why_not:
             try:
-                self._stack.enter_context(nodes.cluster(n, lock_timeout=lock_timeout))
-            except (nodes.SetupError, OSError, subprocess.SubprocessError) as exc:
+                self._stack.enter_context(self._nodes.cluster(n, lock_timeout=lock_timeout))
+            except (self._nodes.SetupError, OSError, subprocess.SubprocessError) as exc:
                 self.why_not = f"could not make virtual nodes: {exc}"
         if self.virtual and slurm:
             try:
-                nodes.slurm_up(quiet=True)  # installs slurm-wlm and munge the first time (apt-get)
+                self._slurm.up(quiet=True)
                 self.slurm = True
-            except (nodes.SetupError, OSError, subprocess.SubprocessError) as exc:
+            except (self._nodes.NodesError, self._nodes.SetupError, OSError, subprocess.SubprocessError) as exc:
                 self.slurm_note = f"no Slurm: {exc}"
 
     @property
@@ -117,7 +140,7 @@ class RehearsalNodes:
     @property
     def interface(self) -> str:
         """The interface the nodes reach each other on: what GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME should name."""
-        return nodes.IFNAME if self.virtual else "lo"
+        return self._nodes.IFNAME if self.virtual else "lo"
 
     @property
     def hostnames(self) -> list[str]:
@@ -129,29 +152,28 @@ class RehearsalNodes:
 
     def on(self, node: str, cmd: list[str]) -> list[str]:
         """cmd as it runs on node (`virtual_cluster.sh exec node CMD`); on localhost, cmd itself."""
-        return nodes.command(node, cmd) if self.virtual else list(cmd)
+        return self._nodes.command(node, cmd) if self.virtual else list(cmd)
 
     def names_on_loopback(self, on: bool = True) -> None:
         """Every node's /etc/hosts maps its own name to 127.0.1.1 (on) or to its address (off); nothing on localhost."""
         if self.virtual:
-            nodes.self_on_loopback(on)
+            self._nodes.self_on_loopback(on)
 
     def sbatch(self, recipe: str, *args: str, out: str, timeout: float = 300) -> dict | None:
         """Submit scripts/<recipe> from node1 with OUT=out, wait for it (bounded), return Slurm's record of the job
         and its metrics.json; None where Slurm does not run."""
         if not self.slurm:
             return None
-        checkout = Path(__file__).resolve().parents[3]
         env = dict(launcher_env(), OUT=str(out))
-        job = nodes.submit(checkout / "scripts" / recipe, *args, env=env, chdir=checkout, output=f"{out}.log")
-        info = nodes.wait(job, timeout=timeout)
+        job = self._slurm.submit(CHECKOUT / "scripts" / recipe, *args, env=env, chdir=CHECKOUT, output=f"{out}.log")
+        info = self._slurm.wait(job, timeout=timeout)
         metrics = Path(out) / "metrics.json"
         return dict(info, metrics=json.loads(metrics.read_text()) if metrics.exists() else {})
 
     @property
     def running(self) -> bool:
         """Whether virtual nodes are up (after close(): none)."""
-        return self.virtual and bool(nodes.nodes())
+        return self.virtual and bool(self._nodes.nodes())
 
     def close(self) -> None:
         self._stack.close()
@@ -159,9 +181,9 @@ class RehearsalNodes:
     def __str__(self) -> str:
         if not self.virtual:
             return f"no virtual nodes ({self.why_not}): the cells below run on localhost"
-        where = ", ".join(f"{m} ({nodes.address(m)})" for m in self.names)
+        where = ", ".join(f"{m} ({self._nodes.address(m)})" for m in self.names)
         slurm = "slurmctld on node1, slurmd on every node" if self.slurm else self.slurm_note
-        return f"virtual nodes {where} on {nodes.IFNAME}; Slurm: {slurm}"
+        return f"virtual nodes {where} on {self._nodes.IFNAME}; Slurm: {slurm}"
 
 
 # ---------------------------------------------------------------------------------------------------- exercises
