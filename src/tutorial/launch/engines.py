@@ -115,16 +115,45 @@ def _setenv(values: dict) -> None:
     os.environ.update(values)
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, named as CUDA_VISIBLE_DEVICES names them (indices, UUIDs or MIG ids), or
+    "0", "1", ... where it is not set. On a node shared by several attendees, each one's JupyterLab is started with
+    its own CUDA_VISIBLE_DEVICES, and engines started from it take only those GPUs (start(gpus=...))."""
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return [str(i) for i in range(count)]
+    # CUDA stops at the first entry it cannot use; torch's count says how many it took.
+    return [name.strip() for name in listed.split(",") if name.strip()][:count]
+
+
 # ------------------------------------------------------------------------------------------ input checks
-def _engine_count(n, kind: str, device: str, elsewhere: bool = False) -> tuple[int, bool]:
+def _engine_count(n, kind: str, device: str, elsewhere: bool = False, gpus=None) -> tuple[int, bool]:
     """How many engines, and whether they use GPUs; every bad combination fails here, before anything starts.
-    elsewhere: the engines may run on other nodes (batch jobs, mpiexec with a hostfile), whose GPUs count."""
+    elsewhere: the engines may run on other nodes (batch jobs, mpiexec with a hostfile), whose GPUs count.
+    gpus: the GPUs of this node the engines take (visible_gpus() names them); more engines than these share them,
+    which the caller asked for by naming fewer (a lesson's ranks over gloo on one GPU, notebook.allocation)."""
     if kind not in ENGINE_KINDS:
         raise ClusterError(f"engines {kind!r} is not one of: {', '.join(ENGINE_KINDS)}")
     if device not in DEVICES:
         raise ClusterError(f"device {device!r} is not one of: {', '.join(DEVICES)}")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ClusterError(f"n (the number of engines) must be a whole number of at least 1, got {n!r}")
+    if gpus is not None:
+        if kind in BATCH_KINDS or elsewhere:
+            raise ClusterError(f"gpus={list(gpus)} names GPUs of this node, but engines={kind!r} may run on others")
+        if device == "cpu" and gpus:
+            raise ClusterError(f"gpus={list(gpus)} and device='cpu' contradict each other; give one of them")
+        unknown = [g for g in gpus if str(g) not in visible_gpus()]
+        if unknown:
+            raise ClusterError(f"GPU {unknown[0]!r} is not visible here; choose from: "
+                               f"{', '.join(visible_gpus()) or 'none (no GPU visible)'}")
+        if not gpus:
+            if device == "cuda":
+                raise ClusterError("device='cuda' needs GPUs, but gpus=[] names none")
+            return (n or 2), False
+        return (n or len(gpus)), True
     if kind in BATCH_KINDS or elsewhere:
         # The GPUs that count are on the engines' nodes, not here; they are checked once the engines report in.
         if n is None:
@@ -138,7 +167,8 @@ def _engine_count(n, kind: str, device: str, elsewhere: bool = False) -> tuple[i
         return (n or 2), False
     if (n or gpus) > gpus:
         raise ClusterError(f"n={n} engines on this node but only {gpus} GPU(s) visible: two engines would share a "
-                           f"GPU; use n<={gpus}, or device='cpu' for CPU engines")
+                           f"GPU; use n<={gpus}, device='cpu' for CPU engines, or name the GPUs to share with "
+                           f"gpus=[...] (gloo only; notebook.allocation decides)")
     return (n or gpus), True
 
 
@@ -180,9 +210,10 @@ def _check_ports(ports, ip: str) -> str:
     return text
 
 
-def _config(kind: str, n: int, hide_gpus: bool, mpi_args, launcher: dict, tag: str, timeout: float):
+def _config(kind: str, n: int, gpus, mpi_args, launcher: dict, tag: str, timeout: float):
     """ipyparallel's launcher settings: the engines' environment (fixed at launch: OpenMP reads its thread count when
-    it starts), mpiexec's arguments, quick kills, and the caller's own launcher options."""
+    it starts), mpiexec's arguments, quick kills, and the caller's own launcher options. gpus: the engines'
+    CUDA_VISIBLE_DEVICES ([] hides every GPU; None leaves the variable as this process has it)."""
     from ipyparallel.cluster.launcher import find_launcher_class
     from traitlets.config import Config
     config = Config()
@@ -191,8 +222,8 @@ def _config(kind: str, n: int, hide_gpus: bool, mpi_args, launcher: dict, tag: s
     config.ControllerLauncher.connection_info_timeout = float(timeout)
     if kind == "local" or (kind == "mpi" and not mpi_args):  # all on this node: a fair share of its cores each
         env["OMP_NUM_THREADS"] = str(threads_per_process(n))
-    if hide_gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    if gpus is not None:  # set, not inherited: engines see exactly these, local rank i takes the i-th
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     config.EngineLauncher.environment = open_mpi_env(env) if kind == "mpi" else env
     config.MPIEngineSetLauncher.mpi_args = list(mpi_args)
     # Engines keep no state worth saving: SIGKILL 1 s after SIGTERM (the default 5 s adds up over restarts).
@@ -206,14 +237,16 @@ def _config(kind: str, n: int, hide_gpus: bool, mpi_args, launcher: dict, tag: s
 
 
 # ------------------------------------------------------------------------------------------------ start
-def start(n: int | None = None, engines: str = "local", *, device: str = "auto", timeout: float = 90.0,
+def start(n: int | None = None, engines: str = "local", *, device: str = "auto", gpus=None, timeout: float = 90.0,
           run_timeout: float = 3600.0, ip: str | None = None, interface: str | None = None, ports=None,
           mpi_args=(), launcher: dict | None = None, on_failure: str = "restart", activate: bool = True,
           show: bool = True, **ipp_options) -> "Cluster":
     """Start a controller and n engines, make them ranks 0..n-1, and return the Cluster (00_setup).
 
     n: engines (default: one per visible GPU, else 2). engines: local, mpi (mpiexec; MPI rank = rank), slurm or pbs.
-    device: auto (GPUs if visible), cuda (GPUs required) or cpu. timeout: seconds to wait for the engines.
+    device: auto (GPUs if visible), cuda (GPUs required) or cpu. gpus: which of this node's GPUs, as
+    CUDA_VISIBLE_DEVICES names them (default: every visible one); fewer GPUs than engines are shared (gloo only).
+    timeout: seconds to wait for the engines.
     run_timeout: default limit of one run(). ip/interface: where the controller listens (engines on other nodes must
     reach it). ports: the controller's port pool. mpi_args: extra mpiexec arguments (e.g. a hostfile).
     launcher: options of ipyparallel's engine launcher (queue, account, timelimit, batch_template_file, namespace, ...).
@@ -222,7 +255,7 @@ def start(n: int | None = None, engines: str = "local", *, device: str = "auto",
     """
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # read at import: no progress bar while waiting for engines
     import ipyparallel as ipp
-    n, use_cuda = _engine_count(n, engines, device, elsewhere=engines == "mpi" and bool(mpi_args))
+    n, use_cuda = _engine_count(n, engines, device, elsewhere=engines == "mpi" and bool(mpi_args), gpus=gpus)
     if on_failure not in ON_FAILURE:
         raise ClusterError(f"on_failure {on_failure!r} is not one of: {', '.join(ON_FAILURE)}")
     if not timeout > 0 or not run_timeout > 0:
@@ -239,10 +272,11 @@ def start(n: int | None = None, engines: str = "local", *, device: str = "auto",
     ipp_options.setdefault("controller_location", where)
     ipp_cluster = ipp.Cluster(engines=engines, n=n, controller_ip=bind, controller_args=controller_args, delay=0,
                               engine_timeout=math.ceil(timeout), log=_ipp_log,
-                              config=_config(engines, n, device == "cpu", mpi_args, launcher, tag, timeout),
+                              config=_config(engines, n, [] if device == "cpu" else gpus, mpi_args, launcher, tag,
+                                             timeout),
                               **ipp_options)
     cluster = Cluster(ipp_cluster, engines, tag, use_cuda=use_cuda, device=device, timeout=timeout,
-                      run_timeout=run_timeout,
+                      run_timeout=run_timeout, share_gpus=gpus is not None and 0 < len(gpus) < n,
                       on_failure=on_failure, activate=activate)
     try:
         cluster._start()
@@ -259,11 +293,11 @@ class Cluster:
     DirectView on them in rank order. Use start() to make one."""
 
     def __init__(self, ipp_cluster, kind: str, tag: str, *, use_cuda: bool, device: str = "auto", timeout: float,
-                 run_timeout: float,
-                 on_failure: str, activate: bool):
+                 run_timeout: float, on_failure: str, activate: bool, share_gpus: bool = False):
         self._ipp, self.kind, self.tag, self.n = ipp_cluster, kind, tag, ipp_cluster.n
         self.use_cuda, self.device, self.timeout, self.run_timeout = use_cuda, device, timeout, run_timeout
         self.on_failure, self.activate = on_failure, activate
+        self.share_gpus = share_gpus  # asked for: fewer GPUs named than engines (ranks over gloo on one GPU)
         self.engines: list[EngineInfo] = []
         self.results: list = []   # the last run's result per rank, in rank order
         self.client = self.view = self._reaper = None
@@ -327,7 +361,7 @@ class Cluster:
         self.engines = sorted((info for info, _ in pending), key=lambda e: e.rank)
         seen = {}
         for e in self.engines:  # more engines than GPUs on a node, or a launcher's GPU binding gone wrong
-            if e.gpu and e.gpu in seen:
+            if e.gpu and e.gpu in seen and not self.share_gpus:
                 raise RankError(f"ranks {seen[e.gpu]} and {e.rank} share GPU {e.gpu} on {e.host}: one engine per GPU "
                                 f"(check n, CUDA_VISIBLE_DEVICES and the launcher's GPU binding)")
             seen[e.gpu] = e.rank

@@ -5,6 +5,7 @@ machine with `notebook.check(...)` ("test accuracy >= 0.95: True") rather than r
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import gc
 import importlib
@@ -12,9 +13,10 @@ import inspect
 import os
 import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.config import TrainConfig, default_preset, parse_args
+from ..core.config import STAGES, ConfigError, TrainConfig, default_preset, parse_args
 from ..core.tracking import print_table  # noqa: F401 - the notebooks' tables: notebook.print_table
 
 # The accuracy each preset reaches when training works; notebooks compare against these, not exact numbers.
@@ -38,18 +40,101 @@ def choose_preset(**overrides) -> TrainConfig:
     return cfg
 
 
-def engine_device(n: int) -> str:
-    """The device for a lesson's n engines: "cuda" where this node has n GPUs, else "cpu", with a note when GPUs
-    exist but too few: two ranks must never share a GPU under NCCL, so such a lesson runs its ranks on the CPU
-    with gloo instead (the trainers still use the GPU wherever one process is enough)."""
-    import torch
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus >= n:
-        return "cuda"
-    if gpus:
-        print(f"note: this lesson runs {n} ranks and this node has {gpus} GPU(s); NCCL cannot put two ranks on one "
-              f"GPU, so the {n} engines run on the CPU with gloo. Everything below works the same, only slower.")
-    return "cpu"
+# Who may share a GPU with another rank over gloo with CUDA tensors: DDP's all-reduce and broadcast, and a process
+# group made by hand in %%px cells (None). Not Horovod (its NCCL build wants a GPU per rank), FSDP or DeepSpeed
+# (reduce-scatter and all-gather of sharded tensors, NCCL's on a GPU), Lightning ("gpu" accelerator: one device per
+# process) or SyncBatchNorm (NCCL only on GPUs): their ranks move to the CPU, sized for it, where GPUs are too few.
+SHARE_A_GPU = ("ddp", None)
+GPU_PRESETS = ("workshop", "benchmark")   # sized for GPUs: hours on CPU processes
+CPU_SIZES = "workshop-cpu"                # the same code paths sized for CPU processes
+
+
+@dataclass(frozen=True, repr=False)
+class Allocation:
+    """What a lesson's ranks run on, and the config they train with (notebook.allocation decides)."""
+    ranks: int
+    device: str              # "cuda" or "cpu": engines.start(device=...)
+    backend: str             # "nccl" (one rank per GPU) or "gloo" (CPU, or ranks sharing a GPU)
+    gpus: tuple              # the GPUs the ranks take, as CUDA_VISIBLE_DEVICES names them: engines.start(gpus=...)
+    cfg: TrainConfig         # the notebook's config with the backend, and CPU sizes where the ranks run on CPUs
+    line: str                # the one-line choice that allocation() printed
+
+    @property
+    def env(self) -> str:
+        """The variable for a launch typed as a ! command: the GPUs its processes may see ("" hides them all)."""
+        if self.device == "cuda":
+            return f"CUDA_VISIBLE_DEVICES={','.join(self.gpus)}"
+        return "CUDA_VISIBLE_DEVICES=" if _visible_gpus() else ""  # nothing to hide on a CPU-only machine
+
+    def __repr__(self) -> str:
+        return self.line
+
+
+def _visible_gpus() -> list[str]:
+    from ..launch.engines import visible_gpus
+    return visible_gpus()
+
+
+def sized_for_cpu(cfg: TrainConfig) -> TrainConfig:
+    """A GPU preset's config with the workshop-cpu preset's sizes (epochs, batch, generated images): the same code
+    paths (ResNet-18, bf16, channels_last, loader workers) in minutes on CPU processes instead of hours."""
+    if cfg.preset_name not in GPU_PRESETS:
+        return cfg  # already sized for a CPU (smoke, workshop-cpu)
+    base, cpu = TrainConfig.preset(cfg.preset_name), TrainConfig.preset(CPU_SIZES)
+    sizes = {f.name: getattr(cpu, f.name) for f in dataclasses.fields(cpu)
+             if getattr(base, f.name) != getattr(cpu, f.name) and f.name in ("generated", "epochs", "batch_size",
+                                                                             "max_steps", "warmup_epochs", "dataset",
+                                                                             "model", "image_size", "synthetic")}
+    return cfg.replace(**sizes, preset_name=CPU_SIZES)
+
+
+def allocation(ranks: int, cfg: TrainConfig | None = None, trainer: str | None = "ddp") -> Allocation:
+    """What a lesson's `ranks` processes run on, and with what config; prints the choice in one line.
+
+    - this node's visible GPUs >= ranks: one rank per GPU, NCCL, the config as it is;
+    - fewer GPUs (one GPU per attendee): the ranks share them over gloo with CUDA tensors, where `trainer` can
+      (SHARE_A_GPU); where it cannot, the ranks run on the CPU with the workshop-cpu preset's sizes;
+    - no GPU: the CPU with gloo, and the preset choose_preset() picked (smoke unless $TUTORIAL_PRESET says otherwise).
+
+    trainer: the stage the ranks train with (ddp, horovod, fsdp, deepspeed, lightning), None for a process group
+    made by hand in %%px cells. Visible GPUs honour CUDA_VISIBLE_DEVICES: on a shared node each attendee's JupyterLab
+    gets its own, and the engines take only those. Use it as:
+
+        alloc = notebook.allocation(2, cfg)
+        cluster = engines.start(n=2, device=alloc.device, gpus=alloc.gpus)
+        cluster.run(train_ddp.main, alloc.cfg)
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ConfigError(f"ranks must be a whole number of at least 1, got {ranks!r}")
+    if trainer is not None and trainer not in STAGES:
+        raise ConfigError(f"trainer {trainer!r} is not one of: {', '.join(STAGES)} (or None for a process group "
+                          f"made by hand)")
+    cfg = cfg if cfg is not None else TrainConfig.preset(default_preset())
+    gpus = _visible_gpus()
+    named = f"{len(gpus)} GPU(s) visible" + (f" ({','.join(gpus)})" if gpus else "")
+    sync_bn = cfg.sync_bn and trainer is not None
+    who = f"train_{trainer}" + (" with SyncBatchNorm" if sync_bn and trainer in SHARE_A_GPU else "") \
+        if trainer else "a process group made by hand"
+    if len(gpus) >= ranks:
+        alloc = Allocation(ranks, "cuda", "nccl", tuple(gpus[:ranks]), cfg,
+                           f"allocation: {ranks} rank(s) on GPU(s) {','.join(gpus[:ranks])}, one per GPU, NCCL "
+                           f"({named}); preset {cfg.preset_name}")
+    elif gpus and trainer in SHARE_A_GPU and not sync_bn:
+        shared = cfg.replace(backend="gloo") if trainer else cfg
+        alloc = Allocation(ranks, "cuda", "gloo", tuple(gpus), shared,
+                           f"allocation: {ranks} ranks share {named} over gloo with CUDA tensors (NCCL needs a GPU "
+                           f"per rank); preset {cfg.preset_name}")
+    elif gpus:
+        small = sized_for_cpu(cfg)
+        alloc = Allocation(ranks, "cpu", "gloo", (), small,
+                           f"allocation: {ranks} ranks on the CPU with gloo ({named}, fewer than the ranks, and "
+                           f"{who} cannot share a GPU over gloo); preset {small.preset_name}")
+    else:
+        alloc = Allocation(ranks, "cpu", "gloo", (), cfg,
+                           f"allocation: {ranks} rank(s) on the CPU with gloo (no GPU visible); preset "
+                           f"{cfg.preset_name}")
+    print(alloc.line)
+    return alloc
 
 
 def expected_accuracy(cfg: TrainConfig) -> float:

@@ -195,8 +195,11 @@ def check_fully_shard(shard_fn) -> dict:
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        # On this rank's device from the start: fully_shard would move the parameters there anyway, and a reference
+        # computed on the CPU would compare a GPU's rounding with the CPU's (same random numbers: drawn on the CPU).
+        model.to(device)
         plain = [p.detach().clone() for p in model.parameters()]
-        X = torch.randn(8, 64)
+        X = torch.randn(8, 64).to(device)
         expected = model(X).detach()
         sharded_model = shard_fn(model) or model
         problems = []
@@ -210,7 +213,7 @@ def check_fully_shard(shard_fn) -> dict:
         share = local / sum(p.numel() for p in plain)
         if share > 0.6 and world.world_size > 1:
             problems.append(f"this rank holds {share:.0%} of the parameters, not about 1/{world.world_size}")
-        if not problems and not torch.allclose(sharded_model(X), expected, atol=1e-5):
+        if not problems and not torch.allclose(sharded_model(X).detach().float(), expected, atol=1e-5):
             problems.append("the sharded model computes something else than the original")
         if world.rank == 0:
             for p in problems:
