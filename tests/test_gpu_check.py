@@ -28,8 +28,43 @@ def test_it_lists_every_trainer_precision_nccl_horovod_notebooks_and_resnet50():
     assert "single-compile" in names and "ddp-nccl-1-bf16" in names
     assert "ddp-gloo-2-ranks-on-1-gpus" in names and "ddp-nccl-shared-gpu-refused" in names
     assert "horovod-nccl-1" in names and "resnet50-bf16-channels-last-trainer" in names
+    for stage in ("fsdp", "deepspeed", "lightning"):  # every trainer, not only those DDP derives from
+        assert {f"{stage}-1gpu-{p}" for p in ("fp32", "bf16")} <= set(names)
     notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    assert [n for n in names if n.startswith("notebook-")] == [f"notebook-{nb}" for nb in notebooks]
+    # here (no GPU) it lists a one-GPU node: every notebook under the one-GPU allocation
+    assert [n for n in names if n.startswith("notebook-")] == [f"notebook-{nb}-1gpu" for nb in notebooks]
+
+
+def _listed(*args) -> list[str]:
+    proc = subprocess.run([PYTHON, "-m", "tutorial.bench.gpucheck", "--list", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env=env())
+    assert proc.returncode == 0, proc.stderr
+    return [line.split()[0] for line in proc.stdout.splitlines()]
+
+
+def test_an_8_gpu_node_adds_nccl_runs_of_every_trainer_and_the_notebooks_on_all_gpus():
+    names = _listed("--gpus", "8")
+    for stage in ("fsdp", "deepspeed", "lightning"):
+        assert {f"{stage}-{n}-{p}" for n in ("1gpu", "nccl-8") for p in ("fp32", "bf16")} <= set(names)
+    assert "ddp-nccl-8-bf16" in names and "ddp-gloo-9-ranks-on-8-gpus" in names
+    notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert {f"notebook-{nb}-{a}" for nb in notebooks for a in ("1gpu", "8gpu")} <= set(names)
+
+
+def test_only_selects_by_name_prefix_and_a_bad_selection_is_one_line():
+    assert _listed("--gpus", "2", "--only", "deepspeed,notebook-07") == [
+        "deepspeed-1gpu-fp32", "deepspeed-nccl-2-fp32", "deepspeed-1gpu-bf16", "deepspeed-nccl-2-bf16",
+        "notebook-07_scaling_study-1gpu", "notebook-07_scaling_study-2gpu"]
+    for bad in (["--only", "nosuch"], ["--gpus", "-1"]):
+        proc = subprocess.run([PYTHON, "-m", "tutorial.bench.gpucheck", "--list", *bad], capture_output=True,
+                              text=True, cwd=ROOT, timeout=300, env=env())
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_each_notebook_run_sees_only_its_allocations_gpus(tmp_path):
+    runs = gpucheck.notebook_checks(tmp_path, ["4", "5", "6"])
+    seen = {c["name"].rsplit("-", 1)[1]: c["visible"] for c in runs}
+    assert seen == {"1gpu": "4", "3gpu": "4,5,6"}
 
 
 def test_the_expected_nccl_refusal_is_a_one_line_error(tmp_path):

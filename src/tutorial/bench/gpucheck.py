@@ -5,16 +5,20 @@ nbconvert), with a time limit; each outcome is one JSON line in results/gpu_chec
 and date (tutorial.bench.record). What it checks:
 
 - every trainer on the GPU in fp32, bf16 and fp16, with channels_last, and with torch.compile;
+- FSDP, DeepSpeed (ZeRO-2) and Lightning in fp32 and bf16, on one GPU and over NCCL on every GPU (at most 8) where
+  there are two or more;
 - DDP over NCCL with one process per GPU (at most 8), and several ranks sharing one GPU over gloo with CUDA tensors,
   so the multi-rank code runs even where a single GPU is all there is; NCCL's refusal of a shared GPU is a clear
   one-line error;
 - Horovod with NCCL operations (when Horovod was built with HOROVOD_GPU_OPERATIONS=NCCL; else it says so);
 - the notebooks executed top to bottom with the workshop preset, on generated CIFAR-shaped images where CIFAR-10 is
-  not on disk;
+  not on disk, under each allocation notebook.allocation decides for (CUDA_VISIBLE_DEVICES set per run): one GPU
+  (its ranks share it over gloo, or run on the CPU sized for it) and, where there are two or more, every GPU (one
+  rank per GPU over NCCL);
 - ResNet-50 at 224 px, bf16 + channels_last: the trainer's throughput, next to the bare loop of
   benchmarks/bare_loop.py.
 
-    python -m tutorial.bench.gpucheck [--only NAME,...] [--skip-notebooks] [--results-dir results]
+    python -m tutorial.bench.gpucheck [--list] [--gpus N] [--only NAME,...] [--skip-notebooks] [--results-dir results]
 """
 from __future__ import annotations
 
@@ -61,6 +65,12 @@ def checks(gpus: int, out: Path) -> list[dict]:
     found.append(trainer("ddp", nproc=gpus + 1, backend="gloo", name=f"ddp-gloo-{gpus + 1}-ranks-on-{gpus}-gpus"))
     found.append(trainer("ddp", nproc=gpus + 1, backend="nccl", name="ddp-nccl-shared-gpu-refused",
                          expect="NCCL cannot put two ranks on one GPU"))
+    # The sharded trainers and Lightning: one GPU (one process), then one process per GPU over NCCL.
+    for stage in ("fsdp", "deepspeed", "lightning"):
+        for precision in ("fp32", "bf16"):
+            found.append(trainer(stage, "--precision", precision, nproc=1, name=f"{stage}-1gpu-{precision}"))
+            if gpus >= 2:
+                found.append(trainer(stage, "--precision", precision, nproc=nccl, name=f"{stage}-nccl-{nccl}-{precision}"))
     found.append(dict(name=f"horovod-nccl-{nccl}", expect="pass", requires="horovod-nccl", command=[
         _tool("horovodrun"), "-np", str(nccl), "-H", f"localhost:{nccl}", "--gloo", PY, "-m", "tutorial.train_horovod",
         *workshop, "--out", str(out / "horovod")]))
@@ -112,11 +122,22 @@ def _metrics(check: dict) -> dict:
     return json.loads(path.read_text()) if out and path.exists() else {}
 
 
-def notebook_checks(out: Path) -> list[dict]:
-    """Every notebook, executed top to bottom (its asserts must hold) with the workshop preset, into `out`."""
-    return [dict(name=f"notebook-{nb.stem}", expect="pass", notebook=True, command=[
+def allocations(visible: list[str]) -> dict[str, str]:
+    """The allocations the notebooks are checked under, as the CUDA_VISIBLE_DEVICES each run gets: one GPU (the
+    common workshop case: a lesson's 2 ranks share it or run on the CPU) and, with two or more, all of them."""
+    found = {"1gpu": visible[0]}
+    if len(visible) >= 2:
+        found[f"{len(visible)}gpu"] = ",".join(visible)
+    return found
+
+
+def notebook_checks(out: Path, visible: list[str]) -> list[dict]:
+    """Every notebook, executed top to bottom (its asserts must hold) with the workshop preset, into `out`, once per
+    allocation: notebook.allocation in each engine start and launch decides from the GPUs the run sees."""
+    return [dict(name=f"notebook-{nb.stem}-{label}", expect="pass", notebook=True, visible=devices, command=[
         _tool("jupyter"), "nbconvert", "--to", "notebook", "--execute", "--ExecutePreprocessor.timeout=1800",
-        "--ExecutePreprocessor.kernel_name=python3", "--output-dir", str(out), str(nb)])
+        "--ExecutePreprocessor.kernel_name=python3", "--output-dir", str(out / label), "--output", nb.name, str(nb)])
+        for label, devices in allocations(visible).items()
         for nb in sorted((CHECKOUT / "notebooks").glob("[0-9][0-9]_*.ipynb"))]
 
 
@@ -146,15 +167,25 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds one check may take (default 600)")
     parser.add_argument("--results-dir", default=str(CHECKOUT / "results"))
     parser.add_argument("--list", action="store_true", help="print the checks and exit")
+    parser.add_argument("--gpus", type=int, default=0,
+                        help="with --list: the checks for a node with this many GPUs (default: the GPUs here)")
     args = parser.parse_args(argv)
+    if args.gpus < 0 or (args.gpus and not args.list):
+        print(f"error: --gpus {args.gpus}: a number of GPUs of at least 1, with --list only (a run uses the GPUs "
+              f"it sees; CUDA_VISIBLE_DEVICES chooses them)", file=sys.stderr)
+        return 2
     import torch
+    from ..launch.engines import visible_gpus
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = visible_gpus() or [str(i) for i in range(args.gpus or 1)]
+    if args.gpus:
+        gpus, visible = args.gpus, [str(i) for i in range(args.gpus)]
     if not gpus and not args.list:
         print("error: no CUDA GPU is visible here (torch.cuda.is_available() is False); make gpu-check verifies the "
               "GPU path and needs one (tutorial doctor says why torch sees none)", file=sys.stderr)
         return 2
     out = Path(tempfile.mkdtemp(prefix="tutorial-gpu-check-"))
-    todo = checks(max(gpus, 1), out) + ([] if args.skip_notebooks else notebook_checks(out))
+    todo = checks(max(gpus, 1), out) + ([] if args.skip_notebooks else notebook_checks(out, visible))
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
         todo = [c for c in todo if any(c["name"].startswith(w) for w in wanted)]
@@ -163,7 +194,7 @@ def main(argv=None) -> int:
             return 2
     if args.list:
         for c in todo:
-            print(f"{c['name']:<40} {' '.join(map(str, c['command']))[:150]}")
+            print(f"{c['name']:<46} {' '.join(map(str, c['command']))[:150]}")
         return 0
     env = open_mpi_env(dict(os.environ, PYTHONUNBUFFERED="1", CI="true",
                             OMP_NUM_THREADS=str(threads_per_process(min(gpus, 8)))))
@@ -172,13 +203,13 @@ def main(argv=None) -> int:
         if check.get("requires") == "horovod-nccl" and not horovod_nccl()[0]:
             result = dict(check=check["name"], ok=False, skipped=horovod_nccl()[1])
         else:
-            check_env = dict(env, TUTORIAL_PRESET="workshop", TUTORIAL_CONFIG=" ".join(_generated_unless_on_disk())) \
-                if check.get("notebook") else env
+            check_env = dict(env, TUTORIAL_PRESET="workshop", TUTORIAL_CONFIG=" ".join(_generated_unless_on_disk()),
+                             CUDA_VISIBLE_DEVICES=check["visible"]) if check.get("notebook") else env
             result = run_check(check, args.timeout, check_env)
         failed += not result["ok"]
         mark = "ok  " if result["ok"] else ("skip" if result.get("skipped") else "FAIL")
         extra = f"{result['samples_per_second']:.0f} samples/s" if result.get("samples_per_second") else ""
-        print(f"{mark} {result['check']:<40} {result.get('seconds', 0):>7.1f} s  {extra}"
+        print(f"{mark} {result['check']:<46} {result.get('seconds', 0):>7.1f} s  {extra}"
               f"{result.get('skipped', '')}", flush=True)
         if not result["ok"] and not result.get("skipped"):
             print("     " + "\n     ".join(result["tail"]), flush=True)
