@@ -37,3 +37,35 @@ def test_the_picture_draws_one_box_per_replica_and_stage():
     matplotlib.use("Agg")
     fig = lesson.draw_dp_step([11, 11, 10])
     assert "batch of 32 over 3 GPUs" in fig.axes[0].get_title()
+
+
+def test_exercise_1_accepts_summed_losses_divided_by_the_batch():
+    from answers import defined
+    other = defined(
+        "def data_parallel_gradient(model, X, y, replicas=3):\n"
+        "    import copy, torch, torch.nn.functional as F\n"
+        "    grads = []\n"
+        "    for xs, ys in zip(X.chunk(replicas), y.chunk(replicas)):\n"
+        "        replica = copy.deepcopy(model)\n"
+        "        (F.cross_entropy(replica(xs), ys, reduction='sum') / len(X)).backward()\n"
+        "        grads.append(torch.cat([p.grad.flatten() for p in replica.parameters()]))\n"
+        "    return torch.stack(grads).sum(0)\n")
+    assert lesson.check_replica_gradient(other).startswith("correct:")
+
+
+def test_exercise_2_accepts_stripped_keys_and_rejects_a_pickled_model_or_untrained_weights():
+    from answers import defined
+    save = ("def train_and_save(model, X, y, path):\n"
+            "    import torch, torch.nn.functional as F\n"
+            "    dp_model = torch.nn.DataParallel(model)\n"
+            "    optimizer = torch.optim.SGD(dp_model.parameters(), lr=0.1)\n"
+            "    {before}\n"
+            "    F.cross_entropy(dp_model(X), y).backward()\n"
+            "    optimizer.step()\n"
+            "    {after}\n")
+    stripped = "torch.save({k.removeprefix('module.'): v for k, v in dp_model.state_dict().items()}, path)"
+    assert lesson.check_train_and_save(defined(save.format(before="", after=stripped))).startswith("correct:")
+    pickled = defined(save.format(before="", after="torch.save(dp_model.module, path)"))
+    assert lesson.check_train_and_save(pickled).startswith("wrong: the file is not a state_dict of tensors")
+    early = defined(save.format(before="torch.save(model.state_dict(), path)", after=""))
+    assert lesson.check_train_and_save(early) == "wrong: the file loads, but holds other weights than the trained model's"

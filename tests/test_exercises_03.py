@@ -1,9 +1,12 @@
-"""03_distributed_data_parallel's exercises and capstone: each checker accepts the package's solution and rejects
-the skeleton the notebook stores, naming the mistake."""
+"""03_distributed_data_parallel's exercises and capstone: each checker accepts the package's solution and another
+correct answer, and rejects the skeleton the notebook stores and other plausible mistakes, naming each."""
 from __future__ import annotations
 
 import json
+import re
 
+import pytest
+from answers import defined
 from conftest import PYTHON, ROOT, run
 from conftest import skeleton as notebook_skeleton
 
@@ -14,11 +17,31 @@ def skeleton(heading: str):
     return notebook_skeleton("03_distributed_data_parallel", heading)
 
 
+EPOCH_ORDERS = """
+def epoch_orders(rank, world_size, epochs):
+    from torch.utils.data.distributed import DistributedSampler
+    orders = []
+    {body}
+    return orders
+"""
+
 
 def test_exercise_1_set_epoch():
     assert ddp.check_epoch_orders(ddp.solution_epoch_orders).startswith("correct: a new shuffle every epoch")
     verdict = ddp.check_epoch_orders(skeleton("### Exercise 1"))
     assert verdict.startswith("wrong: rank 0 reads") and "set_epoch(epoch)" in verdict
+
+
+def test_exercise_1_accepts_a_sampler_per_epoch_and_rejects_set_epoch_after_reading():
+    per_epoch = defined(EPOCH_ORDERS.format(body="""for epoch in range(epochs):  # seed + 0 == epoch
+        orders.append(list(DistributedSampler(range(20), world_size, rank, shuffle=True, seed=epoch)))"""))
+    assert ddp.check_epoch_orders(per_epoch).startswith("correct: a new shuffle every epoch")
+    late = defined(EPOCH_ORDERS.format(body="""sampler = DistributedSampler(range(20), world_size, rank, seed=0)
+    for epoch in range(epochs):
+        orders.append(list(sampler))
+        sampler.set_epoch(epoch)"""))
+    verdict = ddp.check_epoch_orders(late)
+    assert verdict.startswith("wrong: rank 0's epoch 1 reads") and "before the epoch" in verdict
 
 
 def test_exercise_2_one_checkpoint_writer(cluster):
@@ -38,16 +61,61 @@ def save_checkpoint(model, path):
 
 
 def test_exercise_2_names_a_barrier_inside_the_if(cluster):
-    namespace: dict = {}  # defined as in a notebook, so that the engines get it by value, not by module name
-    exec(BARRIER_INSIDE_THE_IF, namespace)
-    verdict = ddp.check_checkpoint(cluster, namespace["save_checkpoint"])
+    verdict = ddp.check_checkpoint(cluster, defined(BARRIER_INSIDE_THE_IF))
     assert verdict.startswith("wrong: rank") and "inside `if rank == 0`" in verdict
+
+
+def test_exercise_2_accepts_an_atomic_write_of_a_dict_and_names_the_module_prefix(cluster):
+    atomic = defined(
+        "def save_checkpoint(model, path):\n"
+        "    import os, torch, torch.distributed as dist\n"
+        "    if dist.get_rank() == 0:\n"
+        "        torch.save({'model': model.module.state_dict()}, str(path) + '.tmp')\n"
+        "        os.replace(str(path) + '.tmp', path)\n"
+        "    dist.barrier()\n")
+    assert ddp.check_checkpoint(cluster, atomic).startswith("correct: rank 0 alone")
+    wrapped = defined(
+        "def save_checkpoint(model, path):\n"
+        "    import torch, torch.distributed as dist\n"
+        "    if dist.get_rank() == 0:\n"
+        "        torch.save(model.state_dict(), path)\n"
+        "    dist.barrier()\n")
+    assert ddp.check_checkpoint(cluster, wrapped).startswith("wrong: the keys start with 'module.'")
 
 
 def test_exercise_3_no_sync(cluster):
     assert ddp.check_accumulation(cluster, ddp.solution_accumulate).startswith("correct: one all-reduce for 4")
     verdict = ddp.check_accumulation(cluster, skeleton("### Exercise 3"))
-    assert verdict.startswith("wrong: 4 all-reduces") and "no_sync" in verdict
+    assert verdict.startswith("wrong: 4 all-reduces for one optimizer step") and "no_sync" in verdict
+
+
+def test_exercise_3_names_the_forward_outside_no_sync_and_accepts_two_branches(cluster):
+    outside = defined(
+        "def accumulate(model, optimizer, micro_batches):\n"
+        "    import torch.nn.functional as F\n"
+        "    optimizer.zero_grad()\n"
+        "    for i, (X, y) in enumerate(micro_batches):\n"
+        "        loss = F.cross_entropy(model(X), y) / len(micro_batches)\n"
+        "        if i < len(micro_batches) - 1:\n"
+        "            with model.no_sync():\n"
+        "                loss.backward()\n"
+        "        else:\n"
+        "            loss.backward()\n"
+        "    optimizer.step()\n")
+    verdict = ddp.check_accumulation(cluster, outside)
+    assert verdict.startswith("wrong: 4 all-reduces although you entered no_sync(): every forward ran outside it")
+    branches = defined(
+        "def accumulate(model, optimizer, micro_batches):\n"
+        "    import torch.nn.functional as F\n"
+        "    optimizer.zero_grad()\n"
+        "    *first, last = micro_batches\n"
+        "    with model.no_sync():\n"
+        "        for X, y in first:\n"
+        "            (F.cross_entropy(model(X), y) / len(micro_batches)).backward()\n"
+        "    X, y = last\n"
+        "    (F.cross_entropy(model(X), y) / len(micro_batches)).backward()\n"
+        "    optimizer.step()\n")
+    assert ddp.check_accumulation(cluster, branches).startswith("correct: one all-reduce for 4")
 
 
 def test_exercise_4_metrics_averaged(cluster):
@@ -57,11 +125,84 @@ def test_exercise_4_metrics_averaged(cluster):
     assert verdict.startswith("wrong: every rank reports 2.25, the mean of the ranks' means") and "counts" in verdict
 
 
-def test_capstone(tmp_path):
-    solution = ROOT / "examples/ddp_standalone.py"  # the capstone's solution is the standalone DDP example
-    run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", solution,
-         "--out", tmp_path / "ddp"])
-    assert ddp.check_capstone(tmp_path / "ddp").startswith("correct: 2 ranks, identical replicas")
+def test_exercise_4_accepts_two_all_reduces_and_names_the_local_count(cluster):
+    two = defined(
+        "def epoch_loss(loss_sum, count):\n"
+        "    import torch, torch.distributed as dist\n"
+        "    s, n = torch.tensor(float(loss_sum)), torch.tensor(float(count))\n"
+        "    dist.all_reduce(s, op=dist.ReduceOp.SUM)\n"
+        "    dist.all_reduce(n, op=dist.ReduceOp.SUM)\n"
+        "    return (s / n).item()\n")
+    assert ddp.check_epoch_loss(cluster, two) == "correct: every rank reports 2, the mean over all 6 samples"
+    local_count = defined(
+        "def epoch_loss(loss_sum, count):\n"
+        "    import torch, torch.distributed as dist\n"
+        "    s = torch.tensor([loss_sum])\n"
+        "    dist.all_reduce(s)\n"
+        "    return (s / count).item()\n")
+    verdict = ddp.check_epoch_loss(cluster, local_count)
+    assert verdict.startswith("wrong: the ranks report 3, 6: the loss sum is summed over the ranks"), verdict
+
+
+# ------------------------------------------------------------------------------------------------------ capstone
+SOLUTION = ROOT / "examples/ddp_standalone.py"  # the capstone's solution is the standalone DDP example
+
+
+@pytest.fixture(scope="module")
+def capstone_run(tmp_path_factory):
+    """The solution launched as the notebook launches the learner's copy: its result.json is valid for every
+    variant below, which differ only in what result.json cannot show (the checker launches each again)."""
+    out = tmp_path_factory.mktemp("capstone") / "ddp"
+    run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SOLUTION, "--out", out])
+    return out
+
+
+def variant(tmp_path, old: str, new: str):
+    text = SOLUTION.read_text()
+    assert re.search(old, text), old
+    path = tmp_path / "train_ddp.py"
+    path.write_text(re.sub(old, new, text, count=1))
+    return path
+
+
+def test_capstone_accepts_the_solution_and_rejects_the_plain_script(capstone_run, tmp_path):
+    assert ddp.check_capstone(capstone_run, script=SOLUTION).startswith("correct: 2 ranks, identical replicas")
     run([PYTHON, ROOT / "notebooks/capstone/train_plain.py", "--epochs", "1", "--out", tmp_path / "plain"])
     assert json.loads((tmp_path / "plain/result.json").read_text())["world_size"] == 1
     assert ddp.check_capstone(tmp_path / "plain").startswith("wrong: result.json says world size 1")
+
+
+def test_capstone_names_a_missing_set_epoch(capstone_run, tmp_path):
+    script = variant(tmp_path, r"\n *sampler\.set_epoch\(epoch\).*", "")
+    verdict = ddp.check_capstone(capstone_run, script=script)
+    assert verdict.startswith("wrong: rank 0 read its samples in the same order in all 5 epochs"), verdict
+
+
+def test_capstone_names_every_rank_writing(capstone_run, tmp_path):
+    script = variant(tmp_path, r"if rank == 0:  # DDP: rank 0 alone writes.*", "if True:")
+    verdict = ddp.check_capstone(capstone_run, script=script)
+    assert verdict.startswith("wrong: ranks 0, 1 wrote model.pt or result.json"), verdict
+
+
+def test_capstone_names_an_unscaled_learning_rate(capstone_run, tmp_path):
+    script = variant(tmp_path, r"lr=args\.lr \* world_size", "lr=args.lr")
+    verdict = ddp.check_capstone(capstone_run, script=script)
+    assert verdict.startswith("wrong: the optimizer's learning rate is 0.05, the single process's"), verdict
+
+
+def test_capstone_accepts_an_lr_scaled_after_construction_and_a_pathlib_write(capstone_run, tmp_path):
+    text = SOLUTION.read_text()
+    text = text.replace("lr=args.lr * world_size, momentum=0.9)", "lr=args.lr, momentum=0.9)\n"
+                        "    for group in optimizer.param_groups:\n        group['lr'] *= dist.get_world_size()")
+    text = text.replace('with open(os.path.join(args.out, "result.json"), "w") as f:\n'
+                        '            json.dump(result, f, indent=1)',
+                        'import pathlib\n        pathlib.Path(args.out, "result.json").write_text(json.dumps(result))')
+    assert "group['lr']" in text and "write_text" in text
+    script = tmp_path / "train_ddp.py"
+    script.write_text(text)
+    assert ddp.check_capstone(capstone_run, script=script).startswith("correct: 2 ranks, identical replicas")
+
+
+def test_capstone_knows_the_plain_scripts_learning_rate():
+    assert re.search(r'"--lr", type=float, default=([\d.]+)', (ROOT / "notebooks/capstone/train_plain.py")
+                     .read_text()).group(1) == str(ddp.PLAIN_LR)

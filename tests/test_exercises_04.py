@@ -18,3 +18,66 @@ def test_exercise_2_fp16_without_loss_scaling_loses_the_gradients():
     assert lesson.check_fp16_step(lesson.solution_fp16_step).startswith("correct: the optimizer got the fp32 gradient")
     verdict = lesson.check_fp16_step(skeleton("04_mixed_precision", "### Exercise 2"))
     assert verdict.startswith("wrong: 100% of the gradients were zero") and "scaler.scale(loss).backward()" in verdict
+
+
+STEP = """
+import torch
+import torch.nn.functional as F
+def {name}(model, optimizer, scaler, X, y, max_norm=1.0):
+    with {autocast}:
+        loss = F.cross_entropy(model(X), y)
+{body}
+"""
+
+
+def answer(name: str, body: str, autocast: str = "torch.autocast(X.device.type, dtype=torch.float16)"):
+    from answers import defined
+    return defined(STEP.format(name=name, autocast=autocast, body=body), name)
+
+
+def test_exercise_1_accepts_clipping_the_scaled_norm_and_names_an_unclipped_step():
+    scaled_norm = answer("clipped_step", """
+    scaler.scale(loss).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()""", autocast="torch.autocast(X.device.type, dtype=torch.bfloat16)")
+    assert lesson.check_clipping(scaled_norm).startswith("correct: the true gradient norm 0.32")
+    unclipped = answer("clipped_step", """
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()""", autocast="torch.autocast(X.device.type, dtype=torch.bfloat16)")
+    assert lesson.check_clipping(unclipped).startswith("wrong: the optimizer got a gradient of norm 0.32")
+
+
+def test_exercise_2_accepts_an_explicit_unscale_and_rejects_dropping_fp16():
+    explicit = answer("fp16_step", """
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)""", autocast="torch.amp.autocast(device_type='cpu', dtype=torch.half)")
+    assert lesson.check_fp16_step(explicit).startswith("correct: the optimizer got the fp32 gradient")
+    plain = """
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()"""
+    for autocast, dtype in (("torch.autocast(X.device.type, dtype=torch.bfloat16)", "bfloat16"),
+                            ("torch.autocast(X.device.type, enabled=False)", "float32")):
+        verdict = lesson.check_fp16_step(answer("fp16_step", plain, autocast=autocast))
+        assert verdict.startswith(f"wrong: the forward ran in {dtype}, not fp16"), verdict
+
+
+def test_exercise_2_names_scaled_gradients_reaching_the_optimizer():
+    no_scaler_step = answer("fp16_step", """
+    scaler.scale(loss).backward()
+    optimizer.step()
+    optimizer.zero_grad()""")
+    assert lesson.check_fp16_step(no_scaler_step).startswith("wrong: the gradient is")
+    update_without_step = answer("fp16_step", """
+    scaler.scale(loss).backward()
+    optimizer.step()
+    scaler.update()""")
+    verdict = lesson.check_fp16_step(update_without_step)
+    assert verdict.startswith("wrong: it raised AssertionError") and "call it instead of optimizer.step()" in verdict

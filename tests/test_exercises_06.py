@@ -34,3 +34,53 @@ def test_exercise_2_checker_accepts_the_solution_and_names_both_wrong_lines():
 def test_exercise_2_checker_names_the_loopback_interface():
     script = lesson.solution_ddp_sbatch().replace("head=", "export NCCL_SOCKET_IFNAME=lo\nhead=")
     assert "`export NCCL_SOCKET_IFNAME=lo`: lo is the loopback interface" in lesson.check_sbatch(lambda: script)
+
+
+def test_exercise_1_accepts_hyphens_and_equals_and_names_the_world_size():
+    hyphens = ["torchrun", "--nnodes=2", "--nproc-per-node=4", "--node-rank=1", "--master-addr=10.0.0.1",
+               "--master-port=29500", "-m", "tutorial.train_ddp", "--preset", "workshop"]
+    assert lesson.check_torchrun_node(lambda: hyphens).startswith("correct: ")
+    world = [w if w != "4" else "8" for w in lesson.solution_torchrun_node()]
+    assert "--nproc_per_node 8: it counts the processes on *this* node" in lesson.check_torchrun_node(lambda: world)
+
+
+SBATCH = """#!/bin/bash
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+{setup}
+srun torchrun --nnodes 2 {nproc} --rdzv_backend c10d {endpoint} --rdzv_id "$SLURM_JOB_ID" \\
+    -m tutorial.train_ddp --preset workshop
+"""
+
+
+def sbatch(setup="", nproc="--nproc_per_node 4", endpoint='--rdzv_endpoint "$head:29500"'):
+    text = SBATCH.format(setup=setup, nproc=nproc, endpoint=endpoint)
+    return lambda: text
+
+
+HEAD = 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+
+
+def test_exercise_2_accepts_the_spellings_torchrun_accepts():
+    correct = "correct: 2 nodes, one torchrun per node"
+    for nproc in ("--nproc-per-node=4", "--nproc_per_node=4", "--nproc-per-node $SLURM_GPUS_ON_NODE",
+                  "--nproc_per_node gpu"):
+        assert lesson.check_sbatch(sbatch(HEAD, nproc=nproc)).startswith(correct), nproc
+    for endpoint in ('--rdzv_endpoint="$head:29500"', "--rdzv-endpoint=${head}:29500"):
+        assert lesson.check_sbatch(sbatch(HEAD, endpoint=endpoint)).startswith(correct), endpoint
+    exported = 'export MASTER_ADDR=$(scontrol show hostname "$SLURM_NODELIST" | head -n1)'
+    assert lesson.check_sbatch(sbatch(exported, endpoint='--rdzv-endpoint "$MASTER_ADDR:29500"')).startswith(correct)
+    launch_node = '--rdzv_endpoint "$SLURM_LAUNCH_NODE_IPADDR:29500"'
+    assert lesson.check_sbatch(sbatch("", endpoint=launch_node)).startswith(correct)
+
+
+def test_exercise_2_rejects_an_endpoint_that_names_each_node_itself():
+    for endpoint, why in (('--rdzv_endpoint "$(hostname):29500"', "runs on every node and gives that node's own"),
+                          ("--rdzv_endpoint=$SLURMD_NODENAME:29500", "differs from node to node"),
+                          ('--rdzv_endpoint "$MASTER_ADDR:29500"', "$MASTER_ADDR is set nowhere in the script"),
+                          ("--rdzv_endpoint 127.0.0.1:29500", "every node's torchrun would meet itself")):
+        verdict = lesson.check_sbatch(sbatch("", endpoint=endpoint))
+        assert verdict.startswith("wrong: line 6 `srun torchrun") and why in verdict, verdict
+    verdict = lesson.check_sbatch(sbatch(HEAD, nproc="--nproc-per-node=8"))
+    assert verdict == "wrong: line 6: --nproc_per_node 8 should be 4, one per GPU"

@@ -43,3 +43,21 @@ def test_exercise_2_checker_names_the_other_factors():
     assert "reduce-scatter plus an all-gather" in measure.check_bus_bandwidth(
         lambda size, s, n: size / s / 1e9 * (n - 1) / n)
     assert "Units" in measure.check_bus_bandwidth(lambda size, s, n: size / s * 2 * (n - 1) / n)
+
+
+def test_exercise_1_accepts_global_batch_over_step_time():
+    def global_batches(rows):  # the same throughput, written with the global batch
+        first = rows[0]["nproc"] * rows[0]["batch_per_process"] / rows[0]["step_s"]
+        table = []
+        for r in rows:
+            global_batch = r["nproc"] * r["batch_per_process"]
+            speedup = (global_batch / r["step_s"]) / first
+            table.append({"nproc": r["nproc"], "speedup": speedup, "efficiency": speedup / (r["nproc"] / rows[0]["nproc"])})
+        return table
+    assert measure.check_scaling(global_batches).startswith("correct: weak scaling 5.00x")
+
+
+def test_exercise_2_accepts_bytes_moved_per_rank_over_time():
+    def moved(size, seconds, nproc):  # each rank sends 2(n-1)/n of the data in a ring
+        return (2 * (nproc - 1) / nproc * size) / seconds / 1e9
+    assert measure.check_bus_bandwidth(moved).startswith("correct: busbw = algbw x 2(n-1)/n")

@@ -13,6 +13,7 @@ from torch import nn
 from ..core.config import TrainConfig
 from ..core.precision import Precision
 from .measure import _default_device, model_and_batch, step_seconds
+from .ranks import describe
 
 
 # ------------------------------------------------------------------------------------------- 02: DataParallel
@@ -149,7 +150,7 @@ def check_replica_gradient(data_parallel_gradient) -> str:
     try:
         got = data_parallel_gradient(copy.deepcopy(model), X, y, 3)
     except Exception as exc:  # noqa: BLE001 -- the learner's code; report it
-        return f"wrong: it raised {type(exc).__name__}: {exc}"
+        return f"wrong: it raised {describe(exc)}"
     got = torch.as_tensor(got).reshape(-1)
     if got.shape != full.shape:
         return f"wrong: {got.numel()} gradient values, the model has {full.numel()} parameters"
@@ -188,8 +189,14 @@ def check_train_and_save(train_and_save) -> str:
         try:
             train_and_save(model, X, y, path)
         except Exception as exc:  # noqa: BLE001
-            return f"wrong: it raised {type(exc).__name__}: {exc}"
-        state = torch.load(path, map_location="cpu", weights_only=True)
+            return f"wrong: it raised {describe(exc)}"
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 -- a pickled module, or no file at all
+            return (f"wrong: the file is not a state_dict of tensors ({describe(exc, 100)}): saving the model object "
+                    "pickles its class too, which the plain side may not have; save dp_model.module.state_dict()")
+    if not isinstance(state, dict):
+        return f"wrong: the file holds a {type(state).__name__}, not a state_dict: save dp_model.module.state_dict()"
     plain, _, _ = _exercise_problem()
     keys = list(state)
     try:

@@ -17,6 +17,7 @@ from ..core.config import TrainConfig
 from ..core.data import SHAPES, build_datasets
 from ..core.models import build_model, unwrap
 from ..core.optim import lr_at, scaled_lr
+from .ranks import first_error, first_line, on_every_rank
 
 
 # --------------------------------------------------------------------------------------- lr scaling and warm-up
@@ -200,25 +201,9 @@ def draw_timeline(rows: list[dict], ax=None):
 
 
 # ------------------------------------------------------------------------------------------------------- exercises
-def in_group(fn, *args, seconds: float = 10.0):
-    """On an engine: fn(*args) in a fresh gloo group whose collectives give up after `seconds`.
-    Returns ("ok", value) or ("error", "<Type>: <first line>")."""
-    import datetime
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
-    try:
-        return "ok", fn(*args)
-    except Exception as exc:  # noqa: BLE001 - the learner's code may raise anything; the verdict names it
-        lines = str(exc).strip().splitlines()
-        return "error", f"{type(exc).__name__}: {lines[0][:120] if lines else ''}"
-    finally:
-        dist.destroy_process_group()
-
-
 def _errors(results) -> str | None:
-    for rank, (status, value) in enumerate(results):
-        if status == "error":
-            return f"rank {rank} failed ({value})"
-    return None
+    failed = first_error(results)
+    return f"rank {failed[0]} failed ({failed[1]})" if failed else None
 
 
 # Exercise 1: set_epoch
@@ -286,7 +271,7 @@ def check_checkpoint(cluster, save_checkpoint) -> str:
     import os
     import tempfile
     path = os.path.join(tempfile.mkdtemp(prefix="tutorial-ex2-"), "checkpoint.pt")
-    cluster.run(in_group, _checkpoint_trial, save_checkpoint, path, seconds=10.0)
+    cluster.run(on_every_rank, _checkpoint_trial, save_checkpoint, path, seconds=10.0)
     failed = _errors(cluster.results)
     if failed:
         return (f"wrong: {failed}: a collective such as dist.barrier() inside `if rank == 0` waits for the other "
@@ -314,7 +299,7 @@ def check_checkpoint(cluster, save_checkpoint) -> str:
     try:
         torch.nn.Linear(4, 2).load_state_dict(state)
     except (RuntimeError, TypeError, AttributeError) as exc:
-        return f"wrong: the file does not load into the model ({str(exc).splitlines()[0][:100]})"
+        return f"wrong: the file does not load into the model ({first_line(exc, 100)})"
     return "correct: rank 0 alone wrote the unwrapped model, and every rank returned once it was there"
 
 
@@ -349,9 +334,20 @@ def _accumulation_trial(accumulate) -> dict:
         return hooks.allreduce_hook(state, bucket)
 
     model.register_comm_hook(None, counting_allreduce)
+    # DDP decides in forward whether the coming backward all-reduces: note, per forward, whether it ran in no_sync
+    forwards = []
+    model.register_forward_pre_hook(lambda module, inputs: forwards.append(module.require_backward_grad_sync))
+    entered, no_sync = [], model.no_sync
+
+    def counting_no_sync():
+        entered.append(True)
+        return no_sync()
+
+    model.no_sync = counting_no_sync
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     accumulate(model, optimizer, _micro_batches(dist.get_rank()))
-    return {"allreduces": len(calls), "weight": torch.cat([p.detach().reshape(-1) for p in net.parameters()])}
+    return {"allreduces": len(calls), "weight": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
+            "no_sync_entered": len(entered), "forwards_in_no_sync": forwards.count(False)}
 
 
 def _accumulation_reference(world_size: int) -> torch.Tensor:
@@ -370,12 +366,16 @@ def _accumulation_reference(world_size: int) -> torch.Tensor:
 def check_accumulation(cluster, accumulate) -> str:
     """Exercise 3: one optimizer step from 4 micro-batches per rank, with one all-reduce, equal to the averaged
     accumulated gradient."""
-    cluster.run(in_group, _accumulation_trial, accumulate, seconds=10.0)
+    cluster.run(on_every_rank, _accumulation_trial, accumulate, seconds=10.0)
     failed = _errors(cluster.results)
     if failed:
         return f"wrong: {failed}"
     results = [value for _, value in cluster.results]
     counts = [r["allreduces"] for r in results]
+    if counts[0] > 1 and results[0]["no_sync_entered"] and not results[0]["forwards_in_no_sync"]:
+        return (f"wrong: {counts[0]} all-reduces although you entered no_sync(): every forward ran outside it. DDP "
+                "decides in forward whether the next backward all-reduces, so `with model.no_sync():` must hold the "
+                "forward (model(X) and the loss) as well as backward() of every micro-batch but the last")
     if counts[0] > 1:
         return (f"wrong: {counts[0]} all-reduces for one optimizer step over {MICRO_BATCHES} micro-batches: DDP "
                 "averages the gradients after every backward; run every backward but the last inside "
@@ -416,14 +416,20 @@ def _epoch_loss_trial(epoch_loss):
 
 def check_epoch_loss(cluster, epoch_loss) -> str:
     """Exercise 4: rank 0's loss sum 6 over 4 samples, rank 1's 6 over 2; every rank must report 12 / 6 = 2."""
-    cluster.run(in_group, _epoch_loss_trial, epoch_loss, seconds=10.0)
+    cluster.run(on_every_rank, _epoch_loss_trial, epoch_loss, seconds=10.0)
     failed = _errors(cluster.results)
     if failed:
-        return f"wrong: {failed}"
+        hint = (": this torch's gloo has no ReduceOp.AVG (NCCL has), and the mean over all samples needs the sums "
+                "anyway: all_reduce the loss sum and the count, then divide" if "AVG" in failed.upper() else "")
+        return f"wrong: {failed}{hint}"
     values = [value for _, value in cluster.results]
     sums = [_shard_losses(r) for r in range(len(values))]
     expected = sum(s for s, _ in sums) / sum(c for _, c in sums)
     mean_of_means = sum(s / c for s, c in sums) / len(sums)
+    total = sum(s for s, _ in sums)
+    if len(values) > 1 and all(abs(v - total / c) < 1e-9 for v, (_, c) in zip(values, sums)):
+        return (f"wrong: the ranks report {', '.join(f'{v:g}' for v in values)}: the loss sum is summed over the "
+                f"ranks, but each divides by its own count; all_reduce the count too, then divide: {expected:g}")
     if len(set(values)) > 1:
         return (f"wrong: the ranks report {', '.join(f'{v:g}' for v in values)}: each reports the mean of its own "
                 f"shard; all_reduce the loss sum and the sample count, then divide, so every rank reports {expected:g}")
@@ -443,14 +449,74 @@ def solution_epoch_loss(loss_sum, count):
     return (sums[0] / sums[1]).item()
 
 
-# Capstone: notebooks/capstone/train_plain.py turned into DDP (solution: tutorial/lessons/capstone_ddp.py)
+# Capstone: notebooks/capstone/train_plain.py turned into DDP (solution: examples/ddp_standalone.py)
 CAPSTONE_ACCURACY = 0.85
+PLAIN_LR = 0.05  # train_plain.py's --lr default, for one process (tests/test_exercises_03.py checks it)
 
 
-def check_capstone(out: str, world_size: int = 2) -> str:
-    """The result.json the capstone script wrote in out, launched with torchrun --nproc_per_node world_size."""
+def _probe_capstone(script: str, world_size: int, timeout: float = 240) -> list[dict] | str:
+    """Launch the capstone script again under torchrun, watched by capstone_probe (nothing in it changes), into a
+    scratch folder; returns every rank's report, or the reason the launch failed."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="tutorial-capstone-") as scratch:
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+        env.update(CAPSTONE_PROBE_DIR=scratch, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size),
+               "-m", "tutorial.lessons.capstone_probe", os.path.abspath(script), "--out", os.path.join(scratch, "out")]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=scratch)
+        except subprocess.TimeoutExpired:
+            return f"it did not finish within {timeout:.0f} s"
+        reports = []
+        for rank in range(world_size):
+            path = os.path.join(scratch, f"rank{rank}.json")
+            if not os.path.exists(path):
+                lines = (proc.stdout + proc.stderr).splitlines()
+                errors = [line for line in lines if re.match(r"\s*\w+(Error|Exception|Interrupt): ", line)]
+                return (f"exit code {proc.returncode}, rank {rank} never finished: "
+                        f"{first_line(errors[0] if errors else (lines or [''])[-1])}")
+            with open(path) as f:
+                reports.append(json.load(f))
+            if "error" in reports[-1]:
+                return f"exit code {proc.returncode}, rank {rank} raised {first_line(reports[-1]['error'])}"
+        return reports
+
+
+def _capstone_behaviour(reports: list[dict], world_size: int) -> str | None:
+    """What result.json cannot show: which ranks wrote the files, whether the shuffle changes every epoch, and the
+    learning rate. None when all is right, else the verdict."""
+    writers = sorted(r["rank"] for r in reports if {"result.json", "model.pt"} & set(r["writes"]))
+    if writers != [0]:
+        who = "no rank" if not writers else "ranks " + ", ".join(map(str, writers))
+        return (f"wrong: {who} wrote model.pt or result.json: the replicas are identical, so rank 0 alone writes "
+                "(`if rank == 0:`); several writers on one path can interleave and corrupt the files")
+    for r in reports:
+        for sampler in r["samplers"].values():
+            orders = sampler["orders"]
+            if sampler["shuffle"] and len(orders) > 1 and all(o == orders[0] for o in orders):
+                return (f"wrong: rank {r['rank']} read its samples in the same order in all {len(orders)} epochs: "
+                        "the DistributedSampler shuffles with seed + epoch, so call sampler.set_epoch(epoch) at the "
+                        "start of every epoch")
+    lrs = reports[0]["lrs"]
+    if lrs and abs(lrs[0] - PLAIN_LR) < 1e-12 and world_size > 1:
+        return (f"wrong: the optimizer's learning rate is {lrs[0]:g}, the single process's: the global batch is "
+                f"{world_size}x larger, so there are {world_size}x fewer steps per epoch; scale the learning rate by "
+                f"the world size: lr = args.lr * world_size = {PLAIN_LR * world_size:g}")
+    return None
+
+
+def check_capstone(out: str, world_size: int = 2, script: str | None = None) -> str:
+    """The result.json the capstone script wrote in out, launched with torchrun --nproc_per_node world_size; then
+    the script (default out/train_ddp.py, where the notebook keeps the learner's copy) is launched once more,
+    watched, for what result.json cannot show: one writer, a new shuffle every epoch, a scaled learning rate."""
     import json
     import math
+    import os
     path = Path(out, "result.json")
     if not path.exists():
         return f"wrong: no {path}: the launch failed or the script wrote elsewhere; read the launch's output above"
@@ -475,6 +541,15 @@ def check_capstone(out: str, world_size: int = 2) -> str:
     share = r["epochs"] * math.ceil(r["train_size"] / world_size)
     if any(s != share for s in seen):
         return f"wrong: the ranks trained on {seen} samples; with a DistributedSampler each reads {share}"
+    script = script or os.path.join(out, "train_ddp.py")
+    if not os.path.exists(script):
+        return f"wrong: no script at {script} to check how it trains"
+    reports = _probe_capstone(script, world_size)
+    if isinstance(reports, str):
+        return f"wrong: launched again by the checker, {script} failed ({reports})"
+    behaviour = _capstone_behaviour(reports, world_size)
+    if behaviour:
+        return behaviour
     if r["test_accuracy"] < CAPSTONE_ACCURACY:
         return (f"wrong: test accuracy {r['test_accuracy']:.3f} < {CAPSTONE_ACCURACY}: with {world_size} ranks there "
                 f"are {world_size}x fewer steps per epoch; scale the learning rate by the world size")

@@ -17,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 
+from .ranks import on_every_rank
+
 
 def python_stacks(pids: list[int], timeout: float = 30) -> dict[int, str]:
     """Each process's Python stack right now, as `py-spy dump` prints it (it reads the process's memory from the
@@ -130,37 +132,18 @@ def fresh_dir(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- exercises
-def on_every_rank(fn, inputs, seconds: float = 5.0, detail: bool = True):
-    """On an engine: fn(*inputs(rank)) inside a fresh gloo group whose collectives give up after `seconds`.
-    detail=True turns on TORCH_DISTRIBUTED_DEBUG=DETAIL, so a collective with mismatched shapes raises on every
-    rank instead of aborting the process. Returns ("ok", value) or ("error", the error's first line)."""
-    import datetime
-    import torch.distributed as dist
-    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL" if detail else "OFF"
-    dist.set_debug_level_from_env()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
-    try:
-        return "ok", fn(*inputs(dist.get_rank()))
-    except RuntimeError as exc:  # without gloo's "[/path/to/source.cc:123] " prefix
-        return "error", re.sub(r"^\[[^\]]*\.cc:\d+\] ", "", str(exc).strip().splitlines()[0])
-    finally:
-        dist.destroy_process_group()
-        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "OFF"
-        dist.set_debug_level_from_env()
-
-
-def _loss_of(rank: int) -> tuple:
+def _loss_of(rank: int, world_size: int) -> tuple:
     return (float(rank + 1),)
 
 
-def _predictions_of(rank: int) -> tuple:
+def _predictions_of(rank: int, world_size: int = 0) -> tuple:
     import torch
     return (torch.arange(rank + 2, dtype=torch.float32) + 10 * rank,)  # rank r holds r + 2 predictions
 
 
 def check_mean_loss(cluster, mean_loss) -> str:
     """Exercise 1: every rank calls mean_loss(loss) with loss = rank + 1 and must get the mean over all ranks."""
-    cluster.run(on_every_rank, mean_loss, _loss_of, seconds=5.0, detail=False)
+    cluster.run(on_every_rank, mean_loss, inputs=_loss_of, seconds=5.0)
     expected = sum(range(1, cluster.n + 1)) / cluster.n
     for rank, (status, value) in enumerate(cluster.results):
         if status == "error":
@@ -171,23 +154,56 @@ def check_mean_loss(cluster, mean_loss) -> str:
     return f"correct: every rank got the mean loss {expected:g}"
 
 
+# The collectives that pickle Python objects: the exercise asks for the tensor way, which scales to large tensors.
+OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
+
+
+def _gather_trial(gather_all, preds):
+    """On an engine, in a group: gather_all(preds), noting any collective that pickles objects (they still work)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+    used, originals = [], {name: getattr(dist, name) for name in OBJECT_COLLECTIVES}
+
+    def noting(name):
+        def call(*args, **kwargs):
+            used.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in OBJECT_COLLECTIVES:  # both places a learner may take it from
+        setattr(dist, name, noting(name))
+        setattr(distributed_c10d, name, getattr(dist, name))
+    try:
+        return {"value": gather_all(preds), "object_collectives": sorted(set(used))}
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+            setattr(distributed_c10d, name, fn)
+
+
 def check_gather(cluster, gather_all) -> str:
     """Exercise 2: rank r holds r + 2 predictions; gather_all must return all of them, in rank order, on every
-    rank."""
+    rank, with tensor collectives (no all_gather_object, which pickles)."""
     import torch
-    cluster.run(on_every_rank, gather_all, _predictions_of, seconds=10.0, detail=True)
+    cluster.run(on_every_rank, _gather_trial, gather_all, inputs=_predictions_of, seconds=10.0, detail=True)
     expected = torch.cat([_predictions_of(r)[0] for r in range(cluster.n)])
     for rank, (status, value) in enumerate(cluster.results):
         if status == "error":
             return (f"wrong: rank {rank}: {value[:120]} -- all_gather needs the same shape on every rank: gather "
                     "the sizes first, pad to the largest, gather, then cut each piece to its size")
+        if value["object_collectives"]:
+            return (f"wrong: rank {rank} called dist.{value['object_collectives'][0]}, which pickles the tensor, "
+                    "sends bytes and unpickles them on every rank: it works, but is slow for large tensors (and on "
+                    "NCCL moves through the GPU anyway). Gather the sizes with all_gather, pad to the largest, "
+                    "all_gather the padded tensors, then cut each piece to its size")
+        value = value["value"]
         if not isinstance(value, torch.Tensor) or value.shape != expected.shape or not torch.equal(value, expected):
             got = value.tolist() if isinstance(value, torch.Tensor) else value
             return f"wrong: rank {rank} got {got}, expected {expected.tolist()}"
     return f"correct: every rank has all {len(expected)} predictions in rank order"
 
 
-# The solutions; tests/test_failures_notebook.py checks that each checker accepts its solution and rejects the
+# The solutions; tests/test_exercises_10.py checks that each checker accepts its solution and rejects the
 # skeleton the notebook starts from.
 def solution_mean_loss(loss: float) -> float:
     import torch

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .ranks import first_line, on_every_rank
+
 
 # Seed 002 (ALCF's Horovod + PyTorch workshop module on ThetaGPU, 8x A100 per node): seconds for 32 epochs.
 SEED_002_SECONDS = {  # GPUs: (cifar10, MNIST)
@@ -28,29 +30,20 @@ def seed002_scaling(dataset: str = "MNIST", max_gpus: int = 32) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ exercises
-def _on_rank(fn, inputs, seed: int = 0):
-    """On an MPI engine: hvd.init(), then fn(*inputs(rank, size)). Returns ("ok", value) or ("error", its line)."""
-    import horovod.torch as hvd
-    hvd.init()
-    try:
-        return "ok", fn(*inputs(hvd.rank(), hvd.size()))
-    except Exception as exc:  # noqa: BLE001 - the learner's mistake, reported by the checker
-        return "error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-
-
 BASE_LR = 0.1
 
 
-def _run(cluster, fn, inputs) -> str:
-    """cluster.run(_on_rank, fn, inputs), bounded; "" or the verdict for a rank that died or hung."""
+def _run(cluster, fn, *args, inputs=None) -> str:
+    """cluster.run(on_every_rank, fn, *args, inputs=inputs) under Horovod, bounded; "" or the verdict for a rank that died or
+    hung."""
     from ..launch.engines import EngineTimeout, RankError
     try:
-        cluster.run(_on_rank, fn, inputs, timeout=60)
+        cluster.run(on_every_rank, fn, *args, inputs=inputs, join="horovod", timeout=60)
     except EngineTimeout as exc:
-        return (f"wrong: {str(exc).splitlines()[0][:160]} -- a collective that only some ranks call waits for the "
+        return (f"wrong: {first_line(exc)} -- a collective that only some ranks call waits for the "
                 "others in vain: call every hvd collective on every rank")
     except RankError as exc:
-        return f"wrong: {str(exc).splitlines()[0][:200]}"
+        return f"wrong: {first_line(exc, 200)}"
     return ""
 
 
@@ -83,7 +76,7 @@ def _one_step(prepare) -> dict:
 def check_prepare(cluster, prepare) -> str:
     """Exercise 1: prepare(model, optimizer) must do steps 3-5 (scale the lr, DistributedOptimizer, broadcast);
     every rank builds its model with its own seed, then one step, then the replicas must agree."""
-    failed = _run(cluster, _one_step, lambda rank, size: (prepare,))
+    failed = _run(cluster, _one_step, prepare)
     if failed:
         return failed
     reports = cluster.results
@@ -118,7 +111,7 @@ def _counts(rank: int, size: int) -> tuple:
 def check_test_accuracy(cluster, test_accuracy) -> str:
     """Exercise 2: every rank calls test_accuracy(correct, total) with its own shard's counts and must get the
     accuracy over the whole test set."""
-    failed = _run(cluster, test_accuracy, _counts)
+    failed = _run(cluster, test_accuracy, inputs=_counts)
     if failed:
         return failed
     counts = [_counts(r, cluster.n) for r in range(cluster.n)]

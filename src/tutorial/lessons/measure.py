@@ -14,6 +14,7 @@ from ..core.config import TrainConfig
 from ..core.data import SHAPES, DataInfo, build_datasets
 from ..core.models import build_model
 from ..core.precision import Precision
+from .ranks import describe
 
 
 def _sync(device: torch.device) -> None:
@@ -116,7 +117,7 @@ def check_scaling(scaling) -> str:
             got = scaling([dict(r) for r in table])
             got = [(float(g["speedup"]), float(g["efficiency"])) for g in got]
         except Exception as exc:  # noqa: BLE001 - the learner's code may fail in any way
-            return f"wrong: scaling() failed on the {name}-scaling table: {type(exc).__name__}: {exc}"
+            return f"wrong: scaling() failed on the {name}-scaling table: {describe(exc)}"
         want = [(r["speedup"], r["efficiency"]) for r in solution_scaling(table)]
         if len(got) != len(want):
             return f"wrong: {len(got)} rows for a {name}-scaling table of {len(want)}: one result per measured row"
@@ -158,7 +159,7 @@ def check_bus_bandwidth(bus_bandwidth) -> str:
         try:
             got = float(bus_bandwidth(size, seconds, n))
         except Exception as exc:  # noqa: BLE001
-            return f"wrong: bus_bandwidth({size:g}, {seconds:g}, {n}) failed: {type(exc).__name__}: {exc}"
+            return f"wrong: bus_bandwidth({size:g}, {seconds:g}, {n}) failed: {describe(exc)}"
         want = solution_bus_bandwidth(size, seconds, n)
         if _close(got, want):
             continue

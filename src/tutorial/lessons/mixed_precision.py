@@ -12,6 +12,7 @@ from torch import nn
 from ..core.config import ConfigError, TrainConfig
 from ..core.precision import Precision
 from .measure import _default_device, model_and_batch, step_seconds
+from .ranks import describe
 
 
 # NVIDIA Apex AMP offered four opt levels; torch.amp replaced them. What each level did and what to use now:
@@ -183,7 +184,7 @@ def check_clipping(clipped_step, max_norm: float = 0.1) -> str:
     try:
         seen = _gradient_seen(clipped_step, copy.deepcopy(model), X, y, scaler, max_norm=max_norm)
     except Exception as exc:  # noqa: BLE001 -- the learner's code; report it
-        return f"wrong: it raised {type(exc).__name__}: {exc}"
+        return f"wrong: it raised {describe(exc)}"
     if seen is None:
         return "wrong: optimizer.step() was never called: the step was skipped (call scaler.step(optimizer))"
     got = seen.norm().item()
@@ -232,10 +233,24 @@ def check_fp16_step(fp16_step) -> str:
     expected = _reference_gradient(model, X, y)
     moving = expected.abs() > 1e-3 * expected.abs().max()       # the gradients that matter
     scaler = torch.amp.GradScaler("cpu")
+    trained = copy.deepcopy(model)
+    dtypes = set()  # what the Linear layers computed in: fp16 under autocast(dtype=torch.float16)
+    for layer in trained.modules():
+        if isinstance(layer, nn.Linear):
+            layer.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype))
     try:
-        seen = _gradient_seen(fp16_step, copy.deepcopy(model), X, y, scaler)
+        seen = _gradient_seen(fp16_step, trained, X, y, scaler)
     except Exception as exc:  # noqa: BLE001
-        return f"wrong: it raised {type(exc).__name__}: {exc}"
+        if "No inf checks" in str(exc):
+            return (f"wrong: it raised {describe(exc)} -- scaler.update() needs scaler.step(optimizer) before it: "
+                    "scaler.step unscales the gradients (and skips the step on inf/nan); call it instead of "
+                    "optimizer.step()")
+        return f"wrong: it raised {describe(exc)}"
+    if dtypes and dtypes != {torch.float16}:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        return (f"wrong: the forward ran in {names}, not fp16: the step must stay fp16 (V100s and older GPUs have no "
+                "fast bf16, and fp32 gives up the speed); keep torch.autocast(..., dtype=torch.float16) and make "
+                "its gradients survive with the GradScaler")
     if seen is None:
         return "wrong: optimizer.step() was never called (scaler.step(optimizer) calls it unless gradients overflow)"
     stuck = ((seen == 0) & moving).sum().item() / moving.sum().item()

@@ -247,20 +247,92 @@ def solution_torchrun_node() -> list[str]:
             "-m", "tutorial.train_ddp", "--preset", "workshop"]
 
 
+def _logical_lines(script: str) -> list[tuple[int, str]]:
+    """(first line number, text) of each shell line, with backslash continuations joined."""
+    out, pending, start = [], "", 0
+    for n, line in enumerate(script.splitlines(), 1):
+        if not pending:
+            start = n
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        out.append((start, pending + line))
+        pending = ""
+    if pending:
+        out.append((start, pending))
+    return out
+
+
+# Where a per-node name comes from: on every node it names that node, so each torchrun meets only itself.
+_PER_NODE = ("hostname", "uname -n", "SLURMD_NODENAME", "HOSTNAME", "SLURM_TOPOLOGY_ADDR")
+# What names the job's first node on every node alike.
+_FIRST_NODE_VARIABLES = ("SLURM_LAUNCH_NODE_IPADDR",)
+
+
+def _endpoint_host_problem(host: str, variables: dict, depth: int = 0) -> str | None:
+    """Why `host` (as written in the script, variables unexpanded) is not the job's first node on every node;
+    None if it is."""
+    import re
+    host = host.strip().strip('"').strip("'")
+    if not host:
+        return "it is empty"
+    command = re.fullmatch(r"\$\((.*)\)|`(.*)`", host)
+    if command:
+        text = command.group(1) or command.group(2) or ""
+        if re.search(r"\bscontrol\s+show\s+hostnames?\b", text):  # the job's node list, the same on every node
+            return None
+        if any(re.search(rf"(?<![\w-]){re.escape(p)}(?![\w-])", text) for p in _PER_NODE):
+            return (f"{host} runs on every node and gives that node's own name, so every node's torchrun waits at a "
+                    "rendezvous of its own")
+        return f"{host} is not the job's first node"
+    variable = re.fullmatch(r"\$\{?(\w+)\}?", host)
+    if variable:
+        name = variable.group(1)
+        if name in _PER_NODE:
+            return (f"${name} differs from node to node (each node's own name), so every node's torchrun waits at "
+                    "a rendezvous of its own")
+        if name in _FIRST_NODE_VARIABLES:
+            return None
+        if name not in variables:
+            return (f"${name} is set nowhere in the script, so the endpoint is empty (Slurm sets no such "
+                    "variable)")
+        if depth > 5:
+            return f"${name} refers to itself"
+        why = _endpoint_host_problem(variables[name], variables, depth + 1)
+        return f"${name}={variables[name]}: {why}" if why else None
+    if host in _LOCAL or host.startswith("127."):
+        return f"{host} is each node itself, where only that node's torchrun listens"
+    return None  # a fixed host name or address: right if it is the job's first node
+
+
 def check_sbatch(ddp_sbatch) -> str:
     """Exercise 2: ddp_sbatch() returns a Slurm batch script for 2 nodes x 4 GPUs: one srun task per node, torchrun
-    on each with one process per GPU, a c10d rendezvous on the first node. Names every wrong line."""
+    on each with one process per GPU, a c10d rendezvous on the first node. Names every wrong line. The torchrun
+    line is read with torchrun's own parser, so every spelling torchrun accepts is accepted here."""
+    import contextlib
+    import io
+    import re
+    import shlex
+    from torch.distributed.run import get_args_parser
     script = ddp_sbatch()
     if not isinstance(script, str):
         return f"wrong: ddp_sbatch returned {type(script).__name__}, not the script's text"
-    lines = script.splitlines()
-    sbatch = {}
-    for n, line in enumerate(lines, 1):
+    lines = _logical_lines(script)
+    sbatch, variables = {}, {}
+    for n, line in lines:
         if line.startswith("#SBATCH"):
-            for option in line.split()[1:]:
-                key, _, value = option.partition("=")
+            words = line.split()[1:]
+            for i, option in enumerate(words):
+                if not option.startswith("-"):
+                    continue
+                key, eq, value = option.partition("=")
+                if not eq and i + 1 < len(words) and not words[i + 1].startswith("-"):
+                    value = words[i + 1]
                 sbatch[key.lstrip("-")] = (value, n, line.strip())
-    run = [(n, line.strip()) for n, line in enumerate(lines, 1) if line.strip().startswith("srun")]
+        assigned = re.match(r"^\s*(?:export\s+)?(\w+)=(.*)$", line)
+        if assigned:
+            variables[assigned.group(1)] = assigned.group(2).strip()
+    run = [(n, line.strip()) for n, line in lines if line.strip().startswith("srun")]
     problems = []
 
     def option(name, default=None):
@@ -274,26 +346,48 @@ def check_sbatch(ddp_sbatch) -> str:
     if not run:
         return "wrong: no srun line starts the job's tasks" + ("; " + "; ".join(problems) if problems else "")
     n, line = run[0]
-    if "torchrun" in line or "torch.distributed.run" in line:
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError as exc:
+        return f"wrong: line {n} `{line}` is not valid shell ({exc})"
+    args = _torchrun_args(words)
+    if args is not None:
+        srun_words = words[:len(words) - len(args)]
+        for i, w in enumerate(srun_words):  # srun's own --ntasks-per-node overrides the #SBATCH line
+            if w.startswith("--ntasks-per-node"):
+                value = w.partition("=")[2] or (srun_words[i + 1] if i + 1 < len(srun_words) else "")
+                tasks = (value, n, line)
         if tasks[0] != "1":
             problems.append(f"line {tasks[1]} `{tasks[2]}`: srun starts that many torchruns per node, and each "
                             f"starts --nproc_per_node processes: {tasks[0]} x 4 per node, {tasks[0]} torchruns per node "
                             "fight over the same GPUs; torchrun needs --ntasks-per-node=1")
-        words = line.split()
-        ns = dict(zip(words, words[1:]))
-        endpoint = ns.get("--rdzv_endpoint", ns.get("--master_addr", ""))
-        host = endpoint.split(":")[0].strip('"')
-        if host in _LOCAL or not host:
-            problems.append(f"line {n} `{line}`: rendezvous at {endpoint or 'nowhere'}; every node's torchrun "
-                            "would meet itself. Use the first node of the job: "
-                            "head=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) and \"$head:29500\"")
-        if ns.get("--nproc_per_node", "").strip('"') not in ("4", "$SLURM_GPUS_PER_NODE", "${SLURM_GPUS_PER_NODE}"):
-            problems.append(f"line {n}: --nproc_per_node {ns.get('--nproc_per_node')} should be 4, one per GPU")
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                ns = get_args_parser().parse_args(args)
+        except SystemExit:
+            return "wrong: " + "; ".join([*problems, f"line {n}: torchrun cannot parse `{' '.join(args)}`"])
+        c10d = ns.rdzv_backend == "c10d"
+        endpoint = ns.rdzv_endpoint if c10d else f"{ns.master_addr}:{ns.master_port}"
+        host = endpoint.rsplit(":", 1)[0] if ":" in endpoint else endpoint
+        why = _endpoint_host_problem(host, variables) if c10d or ns.master_addr != "127.0.0.1" else "it is unset"
+        if why:
+            why = "; every node's torchrun would meet itself" if host in _LOCAL else f", but {why}"
+            problems.append(f"line {n} `{line}`: rendezvous at {endpoint or 'nowhere'}{why}. Use the first node of "
+                            "the job: head=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) and "
+                            "\"$head:29500\"")
+        if not c10d:
+            problems.append(f"line {n}: with the static rendezvous every node needs its own --node_rank; use "
+                            "--rdzv_backend c10d, which numbers the nodes itself")
+        nproc = str(ns.nproc_per_node)
+        if nproc not in ("4", "gpu", "auto") and not re.fullmatch(r"\$\{?SLURM_GPUS_(PER|ON)_NODE\}?", nproc):
+            problems.append(f"line {n}: --nproc_per_node {nproc} should be 4, one per GPU")
+        if str(ns.nnodes) not in ("2", "2:2", "$SLURM_NNODES", "${SLURM_NNODES}", "$SLURM_JOB_NUM_NODES"):
+            problems.append(f"line {n}: --nnodes {ns.nnodes}: the job has 2 nodes")
     elif tasks[0] != gpus[0]:
         problems.append(f"line {tasks[1]} `{tasks[2]}`: without torchrun, srun starts one task per GPU: "
                         f"--ntasks-per-node={gpus[0]}")
-    for n, line in enumerate(lines, 1):
-        if "SOCKET_IFNAME=lo" in line.replace(" ", ""):
+    for n, line in lines:
+        if "SOCKET_IFNAME=lo" in line.replace(" ", "").replace('"', "").replace("'", ""):
             problems.append(f"line {n} `{line.strip()}`: lo is the loopback interface, which the other node cannot "
                             "reach; name the interface the nodes share (ib0, hsn0, eth0)")
     if problems:

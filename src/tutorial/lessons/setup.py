@@ -5,6 +5,8 @@ of the ring algorithm on made-up numbers, checked against the plain sum) and the
 """
 from __future__ import annotations
 
+from .ranks import on_every_rank
+
 
 # ------------------------------------------------------------------------------------------------ the ring, drawn
 def ring_allreduce(values: list[list[float]]) -> list[dict]:
@@ -65,31 +67,24 @@ def draw_ring_allreduce(states: list[dict]):
 
 
 # ------------------------------------------------------------------------------------------------- the exercise
-def _run_on_rank(fn, seconds: float):
-    """On an engine: fn(rank + 1) in a fresh gloo group whose collectives give up after `seconds` (00 destroys its
-    own group first), or in the existing group if there is one. Returns ("ok", value) or ("error", "Type: ...")."""
-    import datetime
-    import torch.distributed as dist
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
-    try:
-        return "ok", fn(float(dist.get_rank() + 1))
-    except Exception as exc:  # noqa: BLE001 - the learner's mistake, reported as text
-        return "error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    finally:
-        if created:
-            dist.destroy_process_group()
+def _value_of(rank: int, world_size: int) -> tuple:
+    return (float(rank + 1),)
 
 
 def check_mean_over_ranks(cluster, mean_over_ranks) -> str:
     """Exercise 1: rank r calls mean_over_ranks(r + 1); every rank must get the mean over all ranks."""
-    cluster.run(_run_on_rank, mean_over_ranks, 10.0)
+    cluster.run(on_every_rank, mean_over_ranks, inputs=_value_of, seconds=10.0)  # 00 destroyed its own group
     expected = sum(range(1, cluster.n + 1)) / cluster.n
     for rank, (status, value) in enumerate(cluster.results):
         if status == "error":
-            hint = ("dist.all_reduce works in place and returns None (a work handle with async_op=True): reduce the "
-                    "tensor, then read the same tensor" if "NoneType" in value else "see the message")
+            if "NoneType" in value:
+                hint = ("dist.all_reduce works in place and returns None (a work handle with async_op=True): reduce "
+                        "the tensor, then read the same tensor")
+            elif "AVG" in value.upper():
+                hint = ("this torch's gloo, which the CPU engines use, has no ReduceOp.AVG (NCCL has): sum (the "
+                        "default op) and divide by dist.get_world_size(), which works on every backend")
+            else:
+                hint = "see the message"
             return f"wrong: rank {rank} raised {value} -- {hint}"
         if not isinstance(value, (int, float)) or abs(value - expected) > 1e-6:
             why = (" (that is the sum: divide by dist.get_world_size())"

@@ -171,7 +171,8 @@ def check_bytes_per_parameter(fn) -> bool:
 
 
 def fully_shard_solution(model):
-    """Exercise 2: one FSDP unit per layer with parameters, then the root (which owns the first all-gather)."""
+    """Exercise 2: one FSDP unit per layer (per block, in a bigger model) with parameters, then the root, which owns
+    what no layer took and starts the first all-gather; as train_fsdp shards its blocks."""
     from torch.distributed.fsdp import fully_shard
     for layer in model:
         if any(True for _ in layer.parameters(recurse=False)):
@@ -206,6 +207,15 @@ def check_fully_shard(shard_fn) -> dict:
         names = [n for n, p in sharded_model.named_parameters() if not isinstance(p, DTensor)]
         if names:
             problems.append(f"not sharded: {', '.join(names)} (call fully_shard on every layer with parameters)")
+        layers = [name for name, child in sharded_model.named_children() if any(True for _ in child.parameters())]
+        whole = [name for name in layers if not isinstance(getattr(sharded_model, name), FSDPModule)]
+        if whole and isinstance(sharded_model, FSDPModule) and len(whole) == len(layers):
+            problems.append("the whole model is one FSDP unit: its forward gathers every parameter at once and holds "
+                            "them all until backward, so no rank ever holds less than the whole model; call "
+                            "fully_shard on each layer (or block) first, then on the model")
+        elif whole:
+            problems.append(f"layers {', '.join(whole)} are not FSDP units of their own: call fully_shard on each "
+                            "layer with parameters, so that each is gathered only while it runs")
         if not isinstance(sharded_model, FSDPModule):
             problems.append("the root is not sharded: end with fully_shard(model), so that one root unit starts the "
                             "all-gathers and frees the layers after use")

@@ -123,14 +123,27 @@ def _gpu_stand_in(X, y):
     time.sleep(0.03)  # 30 ms of work per batch, as a GPU would do while the training process waits for it
 
 
+FEED_BATCH = 32  # the batch size of exercise 3, which the learner must keep
+
+
 def check_feed(feed) -> str:
     """Exercise 3: feed(dataset, step) profiles 10 steps; the model must no longer wait for the loader."""
     dataset = SlowDataset(torch.utils.data.TensorDataset(torch.randn(2048, 4), torch.randint(0, 3, (2048,))), 1.0)
+    sizes = []
+
+    def step(X, y):  # the stand-in, noting the batch sizes: a smaller batch also waits less, but trains differently
+        sizes.append(len(X))
+        _gpu_stand_in(X, y)
+
     with _native_stderr_silenced():
-        prof = feed(dataset, _gpu_stand_in)
+        prof = feed(dataset, step)
         ms = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages() if e.key in ("data", "compute")}
     if set(ms) != {"data", "compute"}:
         return f"wrong: the profile should hold the ranges 'data' and 'compute', it has {sorted(ms)}"
+    if any(n != FEED_BATCH for n in sizes):
+        return (f"wrong: the model got batches of {sorted(set(sizes))} samples, not {FEED_BATCH}: a smaller batch "
+                "is read faster, but it changes the training (more, noisier steps) and leaves the GPU half idle; "
+                f"keep batch_size={FEED_BATCH} and let loader workers read ahead instead (num_workers)")
     share = ms["data"] / (ms["data"] + ms["compute"])
     if share > 0.3:
         return (f"wrong: 'data' took {share:.0%} of the profiled time ({ms['data']:.0f} ms against "
