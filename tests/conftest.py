@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from tutorial.core.process import open_mpi_env
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 BIN = Path(PYTHON).parent
 
 
 def env(**extra) -> dict:
-    e = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    """This process's environment for a launch: unbuffered, no inherited rendezvous, and what Open MPI needs here."""
+    e = open_mpi_env(dict(os.environ, PYTHONUNBUFFERED="1", **extra))
     e.pop("MASTER_ADDR", None), e.pop("MASTER_PORT", None)
-    if os.geteuid() == 0:  # Open MPI refuses to start as root without these
-        e.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    e["OMPI_MCA_rmaps_base_oversubscribe"] = "1"  # 2 ranks may exceed the cores of a small CI machine
     return e
 
 
@@ -93,8 +93,10 @@ def skeleton(notebook: str, heading: str, name: str | None = None):
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two local notebook engines for a test module's exercise checkers that run code on ranks (each checker makes
-    and leaves its own process group). Per module, not per session: later modules check that nothing is left."""
+    """Two local notebook engines, shared by a test module (a start costs seconds on 2 cores): exercise checkers
+    that run code on ranks (each makes and leaves its own process group) and trainers run through `cluster.run`.
+    Per module, not per session: later modules check that nothing is left, and so does this fixture."""
     from tutorial.launch import engines
-    with engines.start(n=2) as c:
+    with engines.start(n=2, show=False) as c:
         yield c
+    assert c.leftovers() == []

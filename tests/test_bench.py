@@ -4,6 +4,7 @@ Nothing here times anything against a threshold: performance lives in results/, 
 """
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
 import multiprocessing
@@ -26,6 +27,7 @@ from tutorial.core.data import SHAPES, DataInfo, build_datasets
 from tutorial.core.models import build_model
 
 REQUIRED = {"kind", "date", "hardware", "versions", "command", "parameters", "results"}
+STARTED = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)  # lines carry whole seconds
 
 
 def cli(*args, timeout=120):
@@ -35,7 +37,9 @@ def cli(*args, timeout=120):
 
 def check_line(line: dict, kind: str) -> None:
     assert REQUIRED <= set(line) and line["kind"] == kind
-    assert line["date"].startswith(time.strftime("%Y-", time.gmtime()))
+    written = datetime.datetime.fromisoformat(line["date"])  # written by this test session, in UTC
+    assert written.utcoffset() == datetime.timedelta(0)
+    assert STARTED <= written <= datetime.datetime.now(datetime.timezone.utc), (line["date"], STARTED)
     assert {"cpu", "cores", "gpus"} <= set(line["hardware"])
     assert {"python", "torch"} <= set(line["versions"])
     assert line["command"][:2] == ["tutorial", "bench"] or line["command"][0] == "python"
@@ -201,7 +205,9 @@ def test_bare_loop_bad_input_is_one_line_and_exit_2(args, says, capsys, monkeypa
     (["train", "--strategy", "single", "--nproc", "2"], "runs one process"),
     (["allreduce", "--nproc", "1"], "--nproc: must be at least 2"),
     (["allreduce", "--max-bytes", "12Q"], "'12Q' is not a size"),
-    (["allreduce", "--backend", "nccl"] if not torch.cuda.is_available() else ["allreduce", "--nproc", "999"], ""),
+    pytest.param(["allreduce", "--backend", "nccl"], "backend nccl needs CUDA GPUs; this machine has none",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA GPUs")),
+    (["allreduce", "--nproc", "999"], "--nproc 999 is more than the"),
     (["scaling", "--max-nproc", str(os.cpu_count() + 1)], "--max-nproc"),
     (["nonsense"], "invalid choice: 'nonsense'"),
     ([], "required"),
@@ -240,15 +246,31 @@ def test_a_failed_or_hung_run_leaves_no_process():
 
 
 def test_plots_draw_results_lines():
+    """What the plots draw is the results line's numbers: speed-up and efficiency, and the stacked step times."""
     import matplotlib
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     from tutorial.lessons import plots
     points = bench.scaling_table([dict(nproc=1, samples_per_second=100.0), dict(nproc=2, samples_per_second=150.0)])
+    # nproc 1: communication comes out slightly negative (noise), which is drawn as zero
+    parts = [dict(nproc=1, **bench.breakdown(0.010, 0.0099, 0.012)),
+             dict(nproc=2, **bench.breakdown(0.010, 0.013, 0.014))]
     line = dict(date="2026-11-21T00:00:00+00:00", parameters=dict(mode="weak", strategy="ddp", model="cnn",
                                                                   device="cpu"),
-                results=dict(points=points, breakdown=[dict(nproc=1, **bench.breakdown(0.01, 0.01, 0.012))]))
-    plots.scaling_plot(line)
-    plots.breakdown_plot(line)
+                results=dict(points=points, breakdown=parts))
+    ax = plots.scaling_plot(line).axes[0]
+    ideal, measured = ax.get_lines()
+    assert list(ideal.get_xdata()) == list(ideal.get_ydata()) == [1, 2]
+    assert list(measured.get_xdata()) == [1, 2] and list(measured.get_ydata()) == pytest.approx([1.0, 1.5])
+    assert [t.get_text() for t in ax.texts] == ["100%", "75%"]
+    assert ax.get_title() == "ddp cnn on cpu (2026-11-21)"
+    ax = plots.breakdown_plot(line).axes[0]
+    compute, communication, loading = ax.containers  # one bar per nproc in each
+    assert [b.get_height() for b in compute] == pytest.approx([10.0, 10.0])  # ms per step
+    assert [b.get_height() for b in communication] == pytest.approx([0.0, 3.0])
+    assert [b.get_height() for b in loading] == pytest.approx([2.1, 1.0])
+    assert [b.get_y() for b in loading] == pytest.approx([10.0, 13.0])  # stacked on compute + communication
+    plt.close("all")
 
 
 def test_the_median_interval_uses_order_statistics():

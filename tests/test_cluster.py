@@ -90,15 +90,10 @@ def helpers(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local(helpers):
-    """Two local CPU engines, shared by the tests below (a start costs seconds on 2 cores)."""
-    c = cluster_mod.start(n=2, show=False)
-    try:
-        yield c
-    finally:
-        c.stop()
-        assert c.leftovers() == []
-        assert_nothing_left(c.tag)
+def local(helpers, cluster):
+    """conftest's two local engines (stopped, and checked for leftovers, after this file), started once `helpers`
+    has put the helpers' folder on their PYTHONPATH."""
+    return cluster
 
 
 # ------------------------------------------------------------------------------------------- bad input: fast
