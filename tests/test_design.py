@@ -205,6 +205,18 @@ def test_imports_run_one_way_without_circles():
     assert cycles(graph) == []
 
 
+def test_root_only_machinery_stays_out_of_the_package():
+    """The virtual cluster (network namespaces, Slurm's daemons, apt-get) is a tool of the repository, tools/vcluster/:
+    nothing the package installs runs these commands, so no notebook cell can."""
+    import ast
+    commands = {"apt-get", "apt", "ip", "nsenter", "unshare", "slurmctld", "slurmd", "munged"}
+    found = [f"{path.relative_to(SRC)}:{node.lineno} {node.value!r}" for path in SRC.rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and node.value in commands]
+    assert found == []
+    assert (ROOT / "tools" / "vcluster" / "__main__.py").exists()
+
+
 def test_the_import_check_catches_a_back_edge_and_a_circle():
     files = package_sources()
     files["tutorial.core.config"] += "\nfrom ..lessons import notebook\n"
