@@ -155,3 +155,21 @@ def test_00s_readiness_check_holds_on_a_gpu_node_whose_horovod_lacks_nccl_ops(gp
     if namespace["exit_code"] == 1:  # this machine's Horovod has no NCCL ops (the CI build): the case of the issue
         assert "missing horovod: HOROVOD_GPU_OPERATIONS=NCCL" in out.err
     assert namespace["blocking"] == [] and "everything the notebooks need is installed: True" in out.out
+
+
+def test_03s_equivalence_check_trains_on_unaugmented_data_under_every_preset():
+    """03's 2 x 16 = 1 x 32 check printed False under workshop: CIFAR-10's random crops and flips are drawn in the
+    loader workers, differently for one process and two. The cell now derives its config from any preset as the
+    digits without workers, fp32 and the plain CNN: the config the smoke preset checks, which matches to 1e-5."""
+    cell = next(c for c in _code(ROOT / "notebooks" / "03_distributed_data_parallel.ipynb") if "2 ranks x 16" in c)
+    statement = cell[cell.index("same = "):cell.index("\n", cell.index("warmup_epochs=0)"))]
+    derived = {}
+    for preset in ("smoke", "workshop-cpu", "workshop"):
+        namespace = dict(cfg=TrainConfig.preset(preset))
+        exec(statement, namespace)
+        same = namespace["same"]
+        derived[preset] = same
+        assert (same.dataset, same.generated, same.workers, same.model, same.precision, same.channels_last) == \
+            ("digits", 0, 0, "cnn", "fp32", False), preset
+    assert derived["smoke"] == TrainConfig.preset("smoke").replace(epochs=1, max_steps=12, schedule="constant",
+                                                                   lr_scaling="none", warmup_epochs=0)
