@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import sys
 
-STAGES = ("single", "dp", "ddp", "horovod")
+from .core.config import STAGES  # noqa: E402 - every trainer: train_<stage>.py
 
 
 def _version(module: str):
@@ -149,13 +149,13 @@ def train(argv) -> int:
     if not argv or argv[0] not in STAGES:
         given = argv[0] if argv else "nothing"
         print(f"error: stage {given!r} is not one of: {', '.join(STAGES)} "
-              "(usage: tutorial train STAGE [options]; launch ddp/horovod with torchrun, mpirun or horovodrun)",
+              "(usage: tutorial train STAGE [options]; launch the distributed ones with torchrun, mpirun or horovodrun)",
               file=sys.stderr)
         return 2
     from .core.config import parse_args
     from .core.process import run_main
     module = importlib.import_module(f"tutorial.train_{argv[0]}")
-    run_main(module.main, parse_args(f"tutorial train {argv[0]}", argv[1:], horovod=argv[0] == "horovod"))
+    run_main(module.main, parse_args(f"tutorial train {argv[0]}", argv[1:], stage=argv[0]))
     return 0
 
 

@@ -18,13 +18,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
 from torch.utils.data.distributed import DistributedSampler  # DDP
 
 from .core import checkpoint, tracking
-from .core.config import ConfigError, TrainConfig, parse_args  # DDP: ConfigError
+from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader, shard  # DDP: shard
 from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # DDP
                                replica_checksums, teardown, world_from_env)  # DDP
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model  # DDP: the replicas' digests come from core.distributed
-from .core.optim import build_optimizer, lr_at, scaled_lr, set_lr  # DDP: scaled_lr
+from .core.optim import build_optimizer, lr_at, micro_batch_weight, scaled_lr, set_lr  # DDP: scaled_lr
 from .core.precision import Precision
 from .core.process import run_main
 
@@ -34,8 +34,7 @@ def setup(cfg: TrainConfig):
     world = world_from_env()  # DDP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines
     device = pick_device(world.local_rank, world.local_world_size)  # DDP: one GPU per process, chosen by local rank
     amp = Precision(cfg.precision, device)
-    if cfg.sync_bn and device.type != "cuda":  # DDP: SyncBatchNorm only accepts CUDA tensors
-        raise ConfigError("sync-bn needs GPUs: torch's SyncBatchNorm works on CUDA tensors only")  # DDP
+    cfg.check_stage("ddp", device)  # DDP: --sync-bn needs GPUs; --zero-stage, --fp16-allreduce are refused
     tracking.prepare_output(cfg)
     created = init_process_group(world, device, cfg.timeout, cfg.backend)  # DDP: nccl on GPUs, gloo on CPUs
     torch.manual_seed(cfg.seed)
@@ -58,6 +57,7 @@ def build(cfg: TrainConfig, device: torch.device, world):  # DDP: needs rank and
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # DDP
     lr = scaled_lr(cfg, world.world_size)  # DDP: a world_size times larger global batch, a larger lr
     optimizer = build_optimizer(model, cfg, lr)
+    torch.manual_seed(cfg.seed + world.rank)  # DDP: each rank its own random crops and flips; weights were shared
     return model, optimizer, train_loader, test_loader, lr
 
 
@@ -74,7 +74,7 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
         # DDP: no_sync() skips the gradient all-reduce on micro-batches that do not end with an optimizer step.
         with amp.autocast(), (nullcontext() if last_micro_batch else model.no_sync()):
             loss = F.cross_entropy(model(X), y)
-            amp.backward(loss / cfg.grad_accum)  # DDP: inside no_sync too
+            amp.backward(loss * micro_batch_weight(loader, i, len(y), cfg.grad_accum))  # DDP: inside no_sync too
         loss_sum += loss.detach() * len(y)
         samples += len(y)
         if last_micro_batch:

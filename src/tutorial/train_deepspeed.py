@@ -11,31 +11,25 @@ from __future__ import annotations
 
 import os  # DeepSpeed
 import time
-import warnings  # DeepSpeed
 
 import torch
 import torch.distributed as dist  # DeepSpeed
 import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler  # DeepSpeed
 
-# DeepSpeed: it picks its accelerator when imported; without a GPU it would guess, with a warning.
-os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-import deepspeed  # noqa: E402  # DeepSpeed
-# DeepSpeed: quiet what does not apply: torch 2.14's renames of collectives it calls (said on every step), and
-# DeepSpeed: its warning about the torch optimizer that we allow on purpose ("zero_allow_untested_optimizer").
-warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
-deepspeed.utils.logger.addFilter(lambda record: "untested optimizer" not in record.getMessage())  # DeepSpeed
-
 from .core import checkpoint, sharded_checkpoint, tracking  # DeepSpeed: every rank writes its partitions
-from .core.config import ConfigError, TrainConfig, parse_args  # DeepSpeed: ConfigError
+from .core.config import TrainConfig, parse_args
+from .core.deepspeed_compat import import_deepspeed, prepare, quiet  # DeepSpeed: its import, warnings, state
 from .core.data import build_datasets, make_loader
 from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # DeepSpeed
                                replica_checksums, teardown, world_from_env)  # DeepSpeed
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model  # DeepSpeed: the ranks' digests come from core.distributed
-from .core.optim import build_optimizer, lr_at, scaled_lr, set_lr  # DeepSpeed: scaled_lr
+from .core.optim import build_optimizer, lr_at, micro_batch_weight, scaled_lr, set_lr  # DeepSpeed: scaled_lr
 from .core.precision import Precision
 from .core.process import run_main
+
+deepspeed = import_deepspeed()  # DeepSpeed: with its accelerator named (it picks one when imported)
 
 
 def setup(cfg: TrainConfig):
@@ -43,16 +37,12 @@ def setup(cfg: TrainConfig):
     world = world_from_env()  # DeepSpeed: rank, local_rank, world_size from torchrun, deepspeed, MPI, Slurm, engines
     device = pick_device(world.local_rank, world.local_world_size)  # DeepSpeed: one GPU per process, by local rank
     amp = Precision(cfg.precision, device)
-    if cfg.sync_bn:  # DeepSpeed: SyncBatchNorm is a DDP option here
-        raise ConfigError("sync-bn is not supported by train_deepspeed; use train_ddp for SyncBatchNorm")  # DeepSpeed
+    cfg.check_stage("deepspeed", device)  # DeepSpeed: --sync-bn is refused here
     tracking.prepare_output(cfg)
     # DeepSpeed: our bounded rendezvous, not DeepSpeed's MPI discovery (rank 0's first `hostname -I`, seed 003).
     created = init_process_group(world, device, cfg.timeout, cfg.backend)
-    if device.type == "cpu":  # DeepSpeed: its shared-memory all-reduce serves CPU inference and compiles for minutes
-        deepspeed.ops.__dict__.setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False  # DeepSpeed
     os.environ["LOCAL_RANK"] = str(world.local_rank)  # DeepSpeed: reads it itself (srun, mpich, alone)
-    if created:  # DeepSpeed: a group it cloned from an earlier process group here (notebook engines) is gone
-        deepspeed.utils.groups._WORLD_GROUP = None  # DeepSpeed
+    prepare(device, created)  # DeepSpeed: no CPU shared-memory op; forget a group cloned from an earlier run
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # DeepSpeed: nccl on GPUs, gloo on CPUs
     torch.manual_seed(cfg.seed)
     return device, amp, world, created  # DeepSpeed: and who we are
@@ -67,8 +57,8 @@ def build(cfg: TrainConfig, device: torch.device, world):  # DeepSpeed: needs ra
     # DeepSpeed: every rank evaluates the whole test set: ZeRO-3's forward all-gathers, so all run as many batches.
     test_loader = make_loader(test_set, cfg, device)
     model = build_model(cfg.model, info).to(device)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    # DeepSpeed: --channels-last converts the inputs only: it flattens parameters, which must be contiguous, and an
+    # DeepSpeed: NHWC input makes the convolutions run in NHWC anyway.
     lr = scaled_lr(cfg, world.world_size)  # DeepSpeed: a world_size times larger global batch, a larger lr
     optimizer = build_optimizer(model, cfg, lr)
     ds_config = {  # DeepSpeed: the engine does what the other trainers spell out, configured from the same cfg
@@ -77,6 +67,7 @@ def build(cfg: TrainConfig, device: torch.device, world):  # DeepSpeed: needs ra
         "bf16": {"enabled": cfg.precision == "bf16"}, "fp16": {"enabled": cfg.precision == "fp16"},  # DeepSpeed
         "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}  # DeepSpeed: our SGD; RunLog prints
     model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)  # DeepSpeed
+    torch.manual_seed(cfg.seed + world.rank)  # DeepSpeed: each rank its own random crops and flips
     return model, optimizer, train_loader, test_loader, lr
 
 
@@ -93,7 +84,9 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
         model.set_gradient_accumulation_boundary(last_micro_batch)  # DeepSpeed: reduce gradients before a step only
         with amp.autocast():
             loss = F.cross_entropy(model(X), y)
-        model.backward(loss)  # DeepSpeed: divides by grad_accum, then all-reduces or reduce-scatters the gradients
+        # DeepSpeed: our weight, not its 1 / grad_accum (which under-weights a short last group); it then all-reduces
+        # DeepSpeed: or reduce-scatters the gradients at the group's end
+        model.backward(loss * micro_batch_weight(loader, i, len(y), cfg.grad_accum), scale_wrt_gas=False)
         loss_sum += loss.detach() * len(y)
         samples += len(y)
         if last_micro_batch:
@@ -130,8 +123,9 @@ def evaluate(cfg, model, amp, loader, device):
 def main(cfg: TrainConfig) -> dict:
     device, amp, world, created = setup(cfg)  # DeepSpeed: and who we are
     try:  # DeepSpeed: leave the process group on every exit path, errors included
-        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, world)  # DeepSpeed: world
-        return train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr)  # DeepSpeed
+        with quiet():  # DeepSpeed: its warnings that do not apply, hidden while it runs, not for the whole process
+            model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, world)  # DeepSpeed: world
+            return train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr)  # DeepSpeed
     finally:  # DeepSpeed
         teardown(created)  # DeepSpeed
 

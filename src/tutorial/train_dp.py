@@ -20,7 +20,7 @@ from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model, checksum
-from .core.optim import build_optimizer, lr_at, set_lr
+from .core.optim import build_optimizer, lr_at, micro_batch_weight, set_lr
 from .core.precision import Precision
 from .core.process import run_main
 
@@ -29,6 +29,7 @@ def setup(cfg: TrainConfig):
     """The device, the precision policy and the seed; bad options fail here, before any work."""
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     amp = Precision(cfg.precision, device)
+    cfg.check_stage("dp", device)  # DP: --sync-bn, --backend, --timeout are refused here
     tracking.prepare_output(cfg)
     torch.manual_seed(cfg.seed)
     return device, amp
@@ -62,7 +63,7 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
         last_micro_batch = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(loader)
         with amp.autocast():
             loss = F.cross_entropy(model(X), y)
-        amp.backward(loss / cfg.grad_accum)
+        amp.backward(loss * micro_batch_weight(loader, i, len(y), cfg.grad_accum))
         loss_sum += loss.detach() * len(y)
         samples += len(y)
         if last_micro_batch:

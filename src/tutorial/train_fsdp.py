@@ -19,13 +19,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP
 from torch.utils.data.distributed import DistributedSampler  # FSDP
 
 from .core import checkpoint, sharded_checkpoint, tracking  # FSDP: every rank writes its shards
-from .core.config import ConfigError, TrainConfig, parse_args  # FSDP: ConfigError
+from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader
 from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # FSDP
                                replica_checksums, teardown, world_from_env)  # FSDP
 from .core.metrics import patience_exhausted, top5_correct
-from .core.models import build_model  # FSDP: the ranks' digests come from core.distributed
-from .core.optim import build_optimizer, lr_at, scaled_lr, set_lr  # FSDP: scaled_lr
+from .core.models import blocks, build_model  # FSDP: blocks to shard; the digests come from core.distributed
+from .core.optim import build_optimizer, lr_at, micro_batch_weight, scaled_lr, set_lr  # FSDP: scaled_lr
 from .core.precision import Precision
 from .core.process import run_main
 
@@ -35,8 +35,7 @@ def setup(cfg: TrainConfig):
     world = world_from_env()  # FSDP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines
     device = pick_device(world.local_rank, world.local_world_size)  # FSDP: one GPU per process, by local rank
     amp = Precision(cfg.precision, device)
-    if cfg.sync_bn:  # FSDP: SyncBatchNorm is a DDP option here
-        raise ConfigError("sync-bn is not supported by train_fsdp; use train_ddp for SyncBatchNorm")  # FSDP
+    cfg.check_stage("fsdp", device)  # FSDP: --sync-bn is refused here
     tracking.prepare_output(cfg)
     created = init_process_group(world, device, cfg.timeout, cfg.backend)  # FSDP: nccl on GPUs, gloo on CPUs
     torch.manual_seed(cfg.seed)
@@ -52,16 +51,17 @@ def build(cfg: TrainConfig, device: torch.device, world, amp):  # FSDP: rank, wo
     # FSDP: every rank evaluates the whole test set: each forward all-gathers, so all must run as many batches.
     test_loader = make_loader(test_set, cfg, device)
     model = build_model(cfg.model, info).to(device)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    # FSDP: bf16 parameters in forward and backward (half the all-gather bytes), gradients reduced in fp32.
-    policy = MixedPrecisionPolicy(param_dtype=amp.dtype, reduce_dtype=torch.float32)  # FSDP
-    for layer in list(model.modules())[1:]:  # FSDP: one unit per layer with parameters, gathered while it runs
-        if any(True for _ in layer.parameters(recurse=False)):  # FSDP
-            fully_shard(layer, mp_policy=policy)  # FSDP: its parameters become DTensors, 1/world_size per rank
-    fully_shard(model, mp_policy=policy)  # FSDP: the root, which starts the first all-gather
+    # FSDP: --channels-last converts the inputs only: fully_shard takes contiguous parameters only, and an NHWC input
+    # makes the convolutions run in NHWC anyway.
+    # FSDP: mixed precision is FSDP's own policy, not autocast: parameters gathered in bf16/fp16 (half the bytes) and
+    # FSDP: computed in it, gradients reduced and the sharded weights stepped in fp32, the logits returned in fp32.
+    policy = MixedPrecisionPolicy(param_dtype=amp.dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    for block in blocks(model):  # FSDP: one unit per residual block, each gathered only while it runs
+        fully_shard(block, mp_policy=policy)  # FSDP: its parameters become DTensors, 1/world_size per rank
+    fully_shard(model, mp_policy=policy)  # FSDP: the root holds the rest (stem, head) and starts the first gather
     lr = scaled_lr(cfg, world.world_size)  # FSDP: a world_size times larger global batch, a larger lr
     optimizer = build_optimizer(model, cfg, lr)  # FSDP: after sharding, so its state is sharded too
+    torch.manual_seed(cfg.seed + world.rank)  # FSDP: each rank its own random crops and flips; weights were shared
     return model, optimizer, train_loader, test_loader, lr
 
 
@@ -76,9 +76,8 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
             X = X.contiguous(memory_format=torch.channels_last)
         last_micro_batch = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(loader)
         model.set_requires_gradient_sync(last_micro_batch)  # FSDP: reduce-scatter only before an optimizer step
-        with amp.autocast():
-            loss = F.cross_entropy(model(X), y)
-        amp.backward(loss / cfg.grad_accum)
+        loss = F.cross_entropy(model(X), y)  # FSDP: no autocast, the policy above sets the precision
+        amp.backward(loss * micro_batch_weight(loader, i, len(y), cfg.grad_accum))
         loss_sum += loss.detach() * len(y)
         samples += len(y)
         if last_micro_batch:
@@ -105,8 +104,7 @@ def evaluate(cfg, model, amp, loader, device):
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cfg.channels_last:
             X = X.contiguous(memory_format=torch.channels_last)
-        with amp.autocast():
-            logits = model(X)
+        logits = model(X)  # FSDP: no autocast, the policy sets the precision
         sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"), (logits.argmax(1) == y).sum(),
                              top5_correct(logits, y), torch.tensor(len(y), device=device)])
     loss_sum, correct, correct5, count = sums.tolist()

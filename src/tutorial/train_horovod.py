@@ -24,8 +24,8 @@ from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader, shard  # Horovod: shard
 from .core.distributed import pick_device  # Horovod
 from .core.metrics import patience_exhausted, top5_correct
-from .core.models import build_model, checksum
-from .core.optim import build_optimizer, lr_at, scaled_lr, set_lr  # Horovod: scaled_lr
+from .core.models import build_model, checksum, convert_batchnorm  # Horovod: convert_batchnorm
+from .core.optim import build_optimizer, lr_at, micro_batch_weight, scaled_lr, set_lr  # Horovod: scaled_lr
 from .core.precision import Precision
 from .core.process import run_main
 
@@ -35,6 +35,7 @@ def setup(cfg: TrainConfig):
     hvd.init()  # Horovod: step 1, start the background thread that negotiates and runs collectives
     device = pick_device(hvd.local_rank(), hvd.local_size())  # Horovod: step 2, pin one GPU per process by local rank
     amp = Precision(cfg.precision, device)
+    cfg.check_stage("horovod", device)  # Horovod: --backend and --timeout are refused here (horovodrun has its own)
     tracking.prepare_output(cfg)
     torch.manual_seed(cfg.seed)
     return device, amp
@@ -48,6 +49,8 @@ def build(cfg: TrainConfig, device: torch.device):
     train_loader = make_loader(train_set, cfg, device, sampler=sampler)
     test_loader = make_loader(shard(test_set, hvd.rank(), hvd.size()), cfg, device)  # Horovod: exact shards
     model = build_model(cfg.model, info).to(device)
+    if cfg.sync_bn:  # Horovod: BatchNorm statistics over the global batch, not each rank's slice
+        model = convert_batchnorm(model, hvd.SyncBatchNorm)  # Horovod
     # Horovod: --channels-last converts the inputs only; 0.28's all-reduce rejects channels_last (NHWC) gradients.
     lr = scaled_lr(cfg, hvd.size())  # Horovod: step 3, scale the lr with the number of workers
     optimizer = build_optimizer(model, cfg, lr)
@@ -55,6 +58,7 @@ def build(cfg: TrainConfig, device: torch.device):
     optimizer = hvd.DistributedOptimizer(  # Horovod: step 4, all-reduce gradients as backward produces them
         optimizer, named_parameters=model.named_parameters(), compression=compression,  # Horovod
         backward_passes_per_step=cfg.grad_accum)  # Horovod: all-reduce once per accumulated step
+    torch.manual_seed(cfg.seed + hvd.rank())  # Horovod: each rank its own random crops and flips (weights: step 5)
     return model, optimizer, train_loader, test_loader, lr
 
 
@@ -70,7 +74,7 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
         last_micro_batch = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(loader)
         with amp.autocast():
             loss = F.cross_entropy(model(X), y)
-        amp.backward(loss / cfg.grad_accum)
+        amp.backward(loss * micro_batch_weight(loader, i, len(y), cfg.grad_accum))
         loss_sum += loss.detach() * len(y)
         samples += len(y)
         if last_micro_batch:

@@ -12,10 +12,8 @@ averaging, rank-0 checkpoints and logging, precision, clipping, accumulation; al
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
-import warnings
 
 import lightning as L
 import torch
@@ -24,25 +22,16 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch.optim.lr_scheduler import LambdaLR
 
 from .core import tracking
-from .core.lightning_glue import LaunchedDDP, Launcher, RunRecord
+from .core.lightning_glue import LaunchedDDP, Launcher, RunRecord, quiet
 from .core.metrics import top5_correct
 from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader
 from .core.distributed import init_process_group, pick_device, replica_checksums, teardown, world_from_env
 from .core.models import build_model
-from .core.optim import build_optimizer, lr_at, scaled_lr
+from .core.optim import build_optimizer, lr_at, micro_batch_weight, scaled_lr
 from .core.process import run_main
 
 PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}  # our names -> Lightning's
-
-# Lightning's advice that does not apply here: we start the processes ourselves (also where srun exists), out/ also
-# holds metrics.json and tb/, and no cloud logger is wanted.
-for message in ("The `srun` command is available", "Checkpoint directory .* exists and is not empty",
-                r"`isinstance\(treespec, LeafSpec\)` is deprecated"):
-    warnings.filterwarnings("ignore", message)
-logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: "litlogger" not in
-                                                                     record.getMessage())
-
 
 class Classifier(L.LightningModule):
     """What is left of train_one_epoch and evaluate: the loss of a batch, the metrics, the optimizer."""
@@ -63,7 +52,10 @@ class Classifier(L.LightningModule):
         X, y = batch  # already on this rank's device, from this rank's shard
         loss = F.cross_entropy(self(X), y)
         self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)  # epoch mean over all ranks
-        return loss  # Lightning calls backward, steps, zeroes the gradients (and scales them for fp16)
+        # Lightning divides what we return by accumulate_grad_batches, which under-weights an epoch's last, shorter
+        # accumulation group; this makes each micro-batch count by its share of its group's samples instead.
+        weight = micro_batch_weight(self.trainer.train_dataloader, batch_idx, len(y), self.cfg.grad_accum)
+        return loss * weight * self.cfg.grad_accum  # Lightning calls backward, steps, zeroes the gradients
 
     def validation_step(self, batch, batch_idx):
         X, y = batch
@@ -84,6 +76,7 @@ def setup(cfg: TrainConfig):
     """Who we are, the device, the process group and the seed; bad options fail here, before any work."""
     world = world_from_env()
     device = pick_device(world.local_rank, world.local_world_size)
+    cfg.check_stage("lightning", device)  # options only other trainers read are refused, not ignored
     tracking.prepare_output(cfg)
     created = init_process_group(world, device, cfg.timeout, cfg.backend)  # bounded; Lightning adopts the group
     L.seed_everything(cfg.seed, verbose=False)  # also the seed of the DistributedSampler Lightning puts in
@@ -99,6 +92,7 @@ def build(cfg: TrainConfig, device: torch.device, world):
     test_loader = make_loader(test_set, cfg, device)
     steps_per_epoch = math.ceil(math.ceil(len(train_set) / world.world_size) / cfg.batch_size / cfg.grad_accum)
     module = Classifier(cfg, info, scaled_lr(cfg, world.world_size), steps_per_epoch)
+    torch.manual_seed(cfg.seed + world.rank)  # each rank its own random crops and flips; the weights were shared
     log = tracking.RunLog(cfg, world.is_main_process, strategy="lightning-ddp", world_size=world.world_size,
                           precision=cfg.precision, device=str(device),
                           global_batch_size=cfg.batch_size * cfg.grad_accum * world.world_size)
@@ -115,7 +109,7 @@ def build(cfg: TrainConfig, device: torch.device, world):
         num_nodes=world.world_size // world.local_world_size,
         strategy=LaunchedDDP(cluster_environment=Launcher(world)), precision=PRECISION[cfg.precision],
         max_epochs=cfg.epochs, max_steps=cfg.max_steps or -1, accumulate_grad_batches=cfg.grad_accum,
-        gradient_clip_val=cfg.clip_grad or None, callbacks=callbacks, logger=False, num_sanity_val_steps=0,
+        gradient_clip_val=cfg.clip_grad or None, sync_batchnorm=cfg.sync_bn, callbacks=callbacks, logger=False, num_sanity_val_steps=0,
         enable_progress_bar=bool(cfg.progress),
         enable_model_summary=False, enable_checkpointing=bool(cfg.out), default_root_dir=cfg.out or None)
     return module, trainer, train_loader, test_loader, log
@@ -124,8 +118,11 @@ def build(cfg: TrainConfig, device: torch.device, world):
 def main(cfg: TrainConfig) -> dict:
     device, world, created = setup(cfg)
     try:
-        module, trainer, train_loader, test_loader, log = build(cfg, device, world)
-        trainer.fit(module, train_loader, test_loader, ckpt_path=resume_path(cfg))
+        with quiet():  # Lightning's advice that does not apply here, hidden while it runs
+            module, trainer, train_loader, test_loader, log = build(cfg, device, world)
+            # torch.compile of the whole LightningModule: Lightning unwraps it and compiles its forward.
+            trainer.fit(torch.compile(module) if cfg.compile else module, train_loader, test_loader,
+                        ckpt_path=resume_path(cfg))
         digests = replica_checksums(module.model)  # every rank's parameter digest, to prove the replicas agree
         return log.finish(steps=trainer.global_step, replica_checksums=digests,
                           replicas_identical=len(set(digests)) == 1, stopped_early=trainer.should_stop)

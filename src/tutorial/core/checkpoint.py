@@ -6,14 +6,13 @@ Horovod or with another world size.
 from __future__ import annotations
 
 import os
-import sys
 import zipfile
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from .config import ConfigError, TrainConfig
+from .distributed import current_rank, max_over_ranks
 from .models import unwrap
 from .process import Sigterm, Stopped
 
@@ -32,7 +31,7 @@ def stop_requested(state: State, i: int, batches: int, every: int) -> bool:
     walltime kill). The ranks compare every `every` steps (one tiny all-reduce), so they act within that many steps
     and never stop at different steps, which would leave one waiting in a collective. Mid-epoch, state.batch says
     where to go on; at an epoch's last batch the epoch is finished and saved as usual, then the trainer stops."""
-    if state.step % every or not _on_any_rank(Sigterm.check()):
+    if state.step % every or not max_over_ranks([Sigterm.check()])[0]:
         return False
     state.stopping = True
     state.batch = i + 1 if i + 1 < batches else 0
@@ -54,18 +53,6 @@ def trained_before(state: State, i: int) -> bool:
     return False
 
 
-def _on_any_rank(flag: bool) -> bool:
-    if dist.is_available() and dist.is_initialized():  # DDP, FSDP, DeepSpeed
-        on_gpu = dist.get_backend() == "nccl"
-        t = torch.tensor([float(flag)], device=torch.cuda.current_device() if on_gpu else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-    hvd = sys.modules.get("horovod.torch")
-    if hvd is not None and hvd.is_initialized():
-        return bool(hvd.allreduce(torch.tensor([float(flag)]), op=hvd.Sum, name="sigterm").item())
-    return flag
-
-
 def save(cfg: TrainConfig, model, optimizer, scaler, state: State) -> None:
     """Write out/checkpoint.pt. Call it on rank 0 only. A crash mid-write never leaves a truncated checkpoint:
     the file is written beside the old one and renamed over it."""
@@ -81,8 +68,10 @@ def save(cfg: TrainConfig, model, optimizer, scaler, state: State) -> None:
         "step": state.step,
         "history": state.history,
         "batch": state.batch,
-        # The RNG, so a resumed run draws what the uninterrupted one would (loader worker seeds, dropout, random
-        # crops in the main process). Every rank's generator is seeded alike and draws alike, so rank 0's serves all.
+        # Rank 0's RNG, so that a resumed one-process run draws what the uninterrupted one would (dropout, random
+        # crops in the main process). Not restored: other ranks' streams (each rank draws its own augmentation) and
+        # loader workers' (seeded anew when the resumed run starts them), so with random augmentation a resumed run
+        # is a correct continuation, not a bitwise copy of the uninterrupted one.
         "rng": {"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None},
         "config": cfg.to_dict(),
@@ -123,6 +112,8 @@ def resume(cfg: TrainConfig, model, optimizer, scaler, device: torch.device) -> 
     if ckpt["scaler"]:  # empty when the run that saved it had no loss scaling (fp32, bf16)
         scaler.load_state_dict(ckpt["scaler"])
     rng = ckpt.get("rng") or {}
+    if current_rank() != 0:  # the other ranks keep their own streams (the saved one is rank 0's)
+        rng = {}
     if rng.get("cpu") is not None:
         torch.set_rng_state(rng["cpu"].cpu())
     if rng.get("cuda") is not None and device.type == "cuda":

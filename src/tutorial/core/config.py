@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DATASETS = ("digits", "mnist", "cifar10", "imagefolder", "synthetic")
 MODELS = ("cnn", "cnn_bn", "resnet18", "resnet34", "resnet50")
@@ -21,6 +21,18 @@ BACKENDS = ("auto", "nccl", "gloo")
 
 class ConfigError(ValueError):
     """A bad option. The CLI prints it as one line and exits with code 2."""
+
+
+# The fields only some trainers read, and which (by the stage in their file name: train_<stage>.py). Any other
+# trainer refuses a value other than the default in one line (TrainConfig.check_stage) instead of ignoring it.
+ONLY_IN = {
+    "sync_bn": ("ddp", "horovod", "lightning"),          # one process has no other replicas to sync with
+    "fp16_allreduce": ("horovod",),
+    "zero_stage": ("deepspeed",),
+    "backend": ("ddp", "fsdp", "deepspeed", "lightning"),  # Horovod picks its own (gloo, MPI or NCCL)
+    "timeout": ("ddp", "fsdp", "deepspeed", "lightning"),  # Horovod: horovodrun --start-timeout
+}
+STAGES = ("single", "dp", "ddp", "horovod", "fsdp", "deepspeed", "lightning")
 
 
 @dataclass
@@ -38,7 +50,7 @@ class TrainConfig:
     model: str = "cnn"             # cnn has no BatchNorm or dropout, so distributed runs can match one process exactly
     channels_last: bool = False    # NHWC memory layout: faster convolutions on tensor cores
     compile: bool = False          # torch.compile the model
-    sync_bn: bool = False          # DDP on GPUs: BatchNorm -> SyncBatchNorm (statistics over the global batch)
+    sync_bn: bool = False          # on GPUs: BatchNorm -> SyncBatchNorm (statistics over the global batch)
     # optimisation
     epochs: int = 3
     max_steps: int = 0             # stop after this many optimizer steps in total (0: no limit)
@@ -116,6 +128,19 @@ class TrainConfig:
             raise ConfigError(f"log-every must be at least 1, got {self.log_every}")
         return self
 
+    def check_stage(self, stage: str, device=None) -> "TrainConfig":
+        """Refuse an option that the trainer of `stage` would ignore, or that cannot work on `device` (each
+        trainer's setup calls this)."""
+        defaults = TrainConfig()
+        for name, stages in ONLY_IN.items():
+            if stage not in stages and getattr(self, name) != getattr(defaults, name):
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} {getattr(self, name)} is not used by train_{stage}; it works in "
+                                  f"{', '.join('train_' + s for s in stages)} (leave it at its default here)")
+        if self.sync_bn and device is not None and device.type != "cuda":
+            raise ConfigError("sync-bn needs GPUs: SyncBatchNorm (torch's and Horovod's) works on CUDA tensors only")
+        return self
+
     @property
     def resume_path(self) -> str:
         if self.resume == "auto":
@@ -150,22 +175,26 @@ def default_preset() -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------- CLI
-def build_parser(description: str, horovod: bool = False) -> argparse.ArgumentParser:
-    """Flags for every TrainConfig field (--batch-size sets batch_size); --preset picks the starting point."""
+def build_parser(description: str, stage: str | None = None) -> argparse.ArgumentParser:
+    """Flags for every TrainConfig field (--batch-size sets batch_size); --preset picks the starting point. A flag
+    that only other trainers read (ONLY_IN) is still accepted, so that giving it says why it does not apply here."""
     parser = _OneLineErrors(description=description)
     parser.add_argument("--preset", default="smoke", help=f"starting point: {', '.join(PRESETS)} (default smoke)")
     for f in dataclasses.fields(TrainConfig):
-        if f.name == "preset_name" or (f.name == "fp16_allreduce" and not horovod):
+        if f.name == "preset_name":
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = type(f.default)
+        only = f" (train_{', train_'.join(ONLY_IN[f.name])} only)" if f.name in ONLY_IN else None
+        if stage and f.name in ONLY_IN and stage not in ONLY_IN[f.name]:
+            only = argparse.SUPPRESS  # refused by this trainer: not offered in its --help
         if f.name == "resume":
             parser.add_argument(flag, nargs="?", const="auto", default=None,
                                 help="continue from --out/checkpoint.pt, or from the given checkpoint")
         elif f.name == "progress" or kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=only)
         else:
-            parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper())
+            parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper(), help=only)
     return parser
 
 
@@ -177,17 +206,19 @@ class _OneLineErrors(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def parse_args(description: str = "", argv=None, horovod: bool = False) -> TrainConfig:
-    """Parse the command line into a TrainConfig; a bad value prints one line and exits with code 2."""
-    args = build_parser(description, horovod).parse_args(argv)
+def parse_args(description: str = "", argv=None, stage: str | None = None) -> TrainConfig:
+    """Parse the command line into a TrainConfig for the trainer of `stage` (None: any trainer, as a notebook's
+    config); a bad value, or one this trainer would ignore, prints one line and exits with code 2."""
+    args = build_parser(description, stage).parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None and k != "preset"}
     try:
-        return TrainConfig.preset(args.preset, **overrides)
+        cfg = TrainConfig.preset(args.preset, **overrides)
+        return cfg.check_stage(stage) if stage else cfg
     except ConfigError as exc:
         fail(exc)
 
 
-def to_argv(cfg: TrainConfig, horovod: bool = False) -> list[str]:
+def to_argv(cfg: TrainConfig) -> list[str]:
     """The inverse of parse_args: `--preset P` and a flag for each field that differs from preset P, so that
     parse_args(argv=to_argv(cfg)) == cfg for a config made from a preset (a notebook's cfg, typed at a terminal)."""
     name = cfg.preset_name or "smoke"  # build_parser's default preset
@@ -195,8 +226,8 @@ def to_argv(cfg: TrainConfig, horovod: bool = False) -> list[str]:
     argv = ["--preset", name]
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name == "preset_name" or (f.name == "fp16_allreduce" and not horovod) or value == getattr(base, f.name):
-            continue  # fp16_allreduce: only train_horovod has the flag, and only Horovod reads the field
+        if f.name == "preset_name" or value == getattr(base, f.name):
+            continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])

@@ -10,6 +10,7 @@ import datetime
 import os
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -134,9 +135,37 @@ def init_process_group(world: World, device: torch.device, timeout: float = 300.
     if not given:
         _chosen = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
     store = meet(world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
+    # device_id binds the group to this rank's GPU: NCCL connects now, not at the first collective, and never
+    # has to guess the device (a barrier's "devices used by this process are currently unknown" warning).
     dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+                            timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device if backend == "nccl" else None)
     return True
+
+
+def current_rank() -> int:
+    """This process's rank: from the process group or Horovod once they exist, else from the launcher's variables."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None and hvd.is_initialized():
+        return hvd.rank()
+    return int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    """The element-wise maximum of `values` over all ranks (one small all-reduce), or `values` in a lone process:
+    how every rank learns the same thing at the same step (a SIGTERM, a diverged loss) and acts on it together."""
+    t = torch.tensor([float(v) for v in values])
+    if dist.is_available() and dist.is_initialized():  # DDP, FSDP, DeepSpeed, Lightning
+        if dist.get_backend() == "nccl":
+            t = t.to(torch.cuda.current_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None and hvd.is_initialized():
+        return hvd.allreduce(t, op=hvd.Max, name="max_over_ranks").tolist()
+    return t.tolist()
 
 
 def meet(world: World, addr: str, port: int, timeout: float) -> dist.Store:

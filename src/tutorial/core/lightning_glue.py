@@ -2,8 +2,11 @@
 trainer writes. Infrastructure, not the lesson: the notebook shows the LightningModule and the Trainer."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import time
+import warnings
 
 import lightning as L
 from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -93,3 +96,22 @@ class LaunchedDDP(DDPStrategy):
 
     def _configure_launcher(self) -> None:
         self._launcher = None
+
+
+@contextlib.contextmanager
+def quiet():
+    """While Lightning runs: hide its advice that does not apply here. We start the processes ourselves (also where
+    srun exists), out/ also holds metrics.json and tb/, and no cloud logger is wanted."""
+    def not_litlogger(record: logging.LogRecord) -> bool:
+        return "litlogger" not in record.getMessage()
+
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addFilter(not_litlogger)
+    try:
+        with warnings.catch_warnings():
+            for message in ("The `srun` command is available", "Checkpoint directory .* exists and is not empty",
+                            r"`isinstance\(treespec, LeafSpec\)` is deprecated"):
+                warnings.filterwarnings("ignore", message)
+            yield
+    finally:
+        logger.removeFilter(not_litlogger)

@@ -46,6 +46,28 @@ def build_model(name: str, info: DataInfo) -> nn.Module:
     return resnet(name, info)
 
 
+def convert_batchnorm(module: nn.Module, sync_class) -> nn.Module:
+    """Every BatchNorm layer replaced by sync_class (Horovod's SyncBatchNorm; torch's own has
+    convert_sync_batchnorm), its weights and running statistics kept."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        sync = sync_class(module.num_features, module.eps, module.momentum, module.affine,
+                          module.track_running_stats)
+        sync.load_state_dict(module.state_dict())
+        return sync.to(next(module.buffers(), torch.empty(0)).device)
+    for name, child in module.named_children():
+        module.add_module(name, convert_batchnorm(child, sync_class))
+    return module
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated units of a model, for FSDP to shard one by one (09_sharded_training): a ResNet's residual blocks
+    (torch's FSDP2 tutorial and torchtitan shard per block), the small CNN's convolutions and linear layers. What is
+    left (a ResNet's stem and head) stays with the root unit."""
+    if all(hasattr(model, f"layer{i}") for i in range(1, 5)):
+        return [block for i in range(1, 5) for block in getattr(model, f"layer{i}")]
+    return [layer for layer in model.children() if isinstance(layer, (nn.Conv2d, nn.Linear))]
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside its wrappers: what checkpoints hold and replicas are compared by."""
     model = getattr(model, "module", model)       # DataParallel, DistributedDataParallel

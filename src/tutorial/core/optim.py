@@ -34,3 +34,12 @@ def lr_at(cfg: TrainConfig, epoch: float, peak: float) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def micro_batch_weight(loader, i: int, batch: int, grad_accum: int) -> float:
+    """What micro-batch i's mean loss is multiplied by before backward: its share of the samples in its accumulation
+    group. Summed over the group, the gradients are those of the group's mean loss, also for an epoch's last,
+    shorter group (loss / grad_accum would under-weight it). 1.0 without accumulation."""
+    group_start = i // grad_accum * grad_accum * loader.batch_size
+    group = min(grad_accum * loader.batch_size, len(loader.sampler) - group_start)
+    return batch / group

@@ -15,6 +15,7 @@ import time
 import torch
 
 from .config import ConfigError, TrainConfig
+from .distributed import current_rank, max_over_ranks
 
 
 def prepare_output(cfg: TrainConfig) -> None:
@@ -56,15 +57,11 @@ def print_table(rows: list[dict], floatfmt: str = ".3g") -> None:
         print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 
+NO_RANK = 2**24  # "no rank": above any rank, exact in a float32 all-reduce
+
+
 class DivergedError(FloatingPointError):
     """The loss became NaN or infinite: one line naming the rank and step (exit code 1)."""
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
 
 
 class RunLog:
@@ -99,16 +96,20 @@ class RunLog:
 
     def step(self, step: int, loss: torch.Tensor, lr: float, loss_scale: float) -> None:
         """Step scalars every log_every steps (loss.item() waits for the GPU, so not every step); a loss that has
-        become NaN or infinite stops the run there, on the rank that saw it, instead of training on garbage."""
+        become NaN or infinite on any rank stops the run there, on every rank at once (one rank stopping alone
+        would leave the others waiting in their next all-reduce), instead of training on garbage."""
         if self.timer:
             self.timer.step()
         if step % self.cfg.log_every:
             return
         value = loss.item()
         # fp16 is exempt: GradScaler skips the steps whose gradients overflow, and the run recovers by itself.
-        if not math.isfinite(value) and self.cfg.precision != "fp16":
-            raise DivergedError(f"rank {_rank()}: the training loss is {value} at step {step} (lr {lr:.3g}; checked "
-                                f"every {self.cfg.log_every} steps): lower --lr, add --warmup-epochs or "
+        bad = not math.isfinite(value) and self.cfg.precision != "fp16"
+        first_bad = -max_over_ranks([-current_rank() if bad else -NO_RANK])[0]  # the lowest rank that saw it
+        if first_bad != NO_RANK:
+            seen = value if bad and first_bad == current_rank() else "not finite"
+            raise DivergedError(f"rank {int(first_bad)}: the training loss is {seen} at step {step} (lr {lr:.3g}; "
+                                f"checked every {self.cfg.log_every} steps): lower --lr, add --warmup-epochs or "
                                 "--clip-grad, and resume from the last checkpoint")
         if self.writer:
             self.writer.add_scalar("train/loss", value, step)

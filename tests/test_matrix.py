@@ -1,0 +1,204 @@
+"""Every option in every distributed trainer, checked by equivalence (issue 20's matrix).
+
+CPU, gloo, 2 ranks on shared notebook engines (MPI engines for Horovod), one epoch of the real digits set on the small
+CNN without BatchNorm, constant lr without warm-up or scaling so that the only difference between runs is how the
+global batch of 64 is computed. Each distributed run is compared with one process at that global batch and the same
+option (parameters after the epoch's 23 optimizer steps, and the test loss):
+
+- grad_accum 2: 2 ranks x 16 x 2 micro-batches. 719 samples per rank leave a last group of ONE micro-batch of 15
+  samples, so the weighting of an uneven last group is under test (1 / grad_accum would halve its gradient).
+- clip_grad 0.1 (below the gradient norm of every step, so every step clips), channels_last: 2 ranks x 32.
+- bf16: 2 ranks x 32. Autocast's bf16 rounds differently for a batch of 32 than for 64, FSDP uses its
+  MixedPrecisionPolicy and DeepSpeed bf16 weights with fp32 master copies instead of autocast: a looser tolerance.
+- compile (torch.compile, a few seconds per process even for this CNN): DDP and Lightning.
+
+Tolerances, measured on this 2-core CPU on 2026-11-25: every fp32 option within 1e-7 of one process (9e-8, float
+summation order), asserted at FP32_TOL; bf16 per trainer in BF16_TOL below. Negative controls show that a run which
+ignored the option would fail (test_the_matrix_can_fail).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import needs_horovod, needs_mpi
+
+from tutorial import train_ddp, train_deepspeed, train_fsdp, train_lightning, train_single
+from tutorial.core.config import TrainConfig
+from tutorial.core.optim import micro_batch_weight
+from tutorial.launch import engines
+from tutorial.lessons.sharded import max_difference
+
+BASE = TrainConfig.preset("smoke", epochs=1, schedule="constant", warmup_epochs=0, lr_scaling="none", lr=0.05)
+GLOBAL_BATCH = 64
+FP32_TOL = 1e-5
+# bf16, measured: DDP 2 x 32 vs one process x 64: 0.0095 (loss 0.0015); Horovod, Lightning (autocast) and FSDP
+# (MixedPrecisionPolicy: the same bf16 operations, gradients reduced in fp32) vs DDP: 0, bitwise; DeepSpeed (bf16
+# weights, fp32 master copies) vs DDP: 0.0069. fp32 vs bf16 (both DDP 2 x 32): 0.0154, above every tolerance.
+BF16_TOL = {"ddp": 0.012, "horovod": 1e-5, "lightning": 1e-5, "fsdp": 1e-5, "deepspeed": 0.012}
+BF16_LOSS = 0.005
+
+# option -> (config changes of every run, per-rank batch, accumulation)
+OPTIONS = {
+    "grad_accum": (dict(), 16, 2),
+    "clip_grad": (dict(clip_grad=0.1), 32, 1),
+    "channels_last": (dict(channels_last=True), 32, 1),
+    "bf16": (dict(precision="bf16"), 32, 1),
+    "compile": (dict(compile=True), 32, 1),
+}
+TRAINERS = {"ddp": train_ddp.main, "fsdp": train_fsdp.main, "deepspeed": train_deepspeed.main,
+            "lightning": train_lightning.main}
+COMPILED = ("ddp", "lightning")
+CASES = [pytest.param(t, o, id=f"{t}-{o}", marks=[needs_mpi, needs_horovod] if t == "horovod" else [])
+         for t in (*TRAINERS, "horovod") for o in OPTIONS if o != "compile" or t in COMPILED]
+
+
+@pytest.fixture(scope="module")
+def local_engines():
+    c = engines.start(n=2, show=False)
+    try:
+        yield c
+    finally:
+        c.stop()
+        assert c.leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def mpi_engines():
+    c = engines.start(n=2, engines="mpi", show=False)
+    try:
+        yield c
+    finally:
+        c.stop()
+        assert c.leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, local_engines):
+    """What each option is compared with, run once per option for the module: one process at the global batch, and
+    for bf16 DDP at the same 2 x 32 (autocast rounds a batch of 32 differently from one of 64)."""
+    runs = {}
+
+    def run(option: str, stage: str = "single"):
+        if (option, stage) not in runs:
+            out = tmp_path_factory.mktemp(f"{stage}_{option}")
+            changes, batch, accum = OPTIONS[option]
+            if stage == "single":
+                m = train_single.main(BASE.replace(batch_size=GLOBAL_BATCH, out=str(out), **changes))
+            else:
+                m = local_engines.run(train_ddp.main, BASE.replace(batch_size=batch, out=str(out), **changes))
+            runs[option, stage] = out, m
+        return runs[option, stage]
+    return run
+
+
+def run_distributed(request, stage: str, option: str, out) -> dict:
+    changes, batch, accum = OPTIONS[option]
+    cfg = BASE.replace(batch_size=batch, grad_accum=accum, out=str(out), **changes)
+    if stage == "horovod":
+        from tutorial import train_horovod
+        return request.getfixturevalue("mpi_engines").run(train_horovod.main, cfg)
+    return request.getfixturevalue("local_engines").run(TRAINERS[stage], cfg)
+
+
+@pytest.mark.parametrize("stage, option", CASES)
+def test_trainer_option_matches_one_process_at_the_global_batch(stage, option, reference, request, tmp_path):
+    single, single_metrics = reference(option)
+    m = run_distributed(request, stage, option, tmp_path)
+    assert m["world_size"] == 2 and m["global_batch_size"] == GLOBAL_BATCH and m["steps"] == 23
+    assert m["replicas_identical"], m["replica_checksums"]
+    difference = max_difference(tmp_path, single)
+    # Lightning's test loss is the mean of per-batch means (self.log with sync_dist), the others' a mean over
+    # samples: equal only when every batch is full, so it is compared by parameters alone.
+    loss_gap = 0.0 if stage == "lightning" else abs(m["test_loss"] - single_metrics["test_loss"])
+    if option == "bf16" and stage != "ddp":
+        ddp, _ = reference(option, "ddp")
+        difference = max_difference(tmp_path, ddp)
+    print(f"{stage} {option}: max parameter difference {difference:.3g}, test loss gap {loss_gap:.3g}")
+    if option == "bf16":
+        assert difference < BF16_TOL[stage] and loss_gap < BF16_LOSS, (difference, loss_gap)
+    else:
+        assert difference < FP32_TOL and loss_gap < 1e-4, (difference, loss_gap)
+
+
+def test_the_matrix_can_fail(reference, local_engines, tmp_path):
+    """Negative controls: a run that ignored --clip-grad, or --precision bf16, would fail its comparison."""
+    single, _ = reference("clip_grad")
+    local_engines.run(train_ddp.main, BASE.replace(batch_size=32, out=str(tmp_path)))
+    print(f"no clipping: {max_difference(tmp_path, single):.3g}")
+    assert max_difference(tmp_path, single) > 100 * FP32_TOL
+    bf16, _ = reference("bf16", "ddp")
+    print(f"fp32 vs bf16 (DDP 2 x 32): {max_difference(tmp_path, bf16):.3g}")
+    assert max_difference(tmp_path, bf16) > max(BF16_TOL.values())
+
+
+def test_micro_batch_weight_counts_samples_in_the_group():
+    sampler = range(719)  # one rank's share of digits' 1,438 training samples
+    loader = torch.utils.data.DataLoader(sampler, batch_size=16, sampler=sampler)
+    weights = [micro_batch_weight(loader, i, len(batch), 2) for i, batch in enumerate(loader)]
+    assert weights[:2] == [0.5, 0.5] and len(weights) == 45
+    assert weights[-1] == 1.0  # 719 = 22 x 32 + 15: the last group is one micro-batch of 15 samples
+    groups = [sum(weights[i:i + 2]) for i in range(0, 45, 2)]
+    assert groups == [1.0] * 23  # every group's loss is a mean over its own samples
+    no_accum = torch.utils.data.DataLoader(sampler, batch_size=32, sampler=sampler)
+    assert {micro_batch_weight(no_accum, i, len(b), 1) for i, b in enumerate(no_accum)} == {1.0}
+
+
+NAN_ON_RANK_1 = """
+import torch, torch.distributed as dist
+from tutorial.core.config import TrainConfig
+from tutorial.core.tracking import DivergedError, RunLog
+dist.init_process_group("gloo")
+log = RunLog(TrainConfig.preset("smoke", log_every=2), dist.get_rank() == 0)
+try:
+    for step in (1, 2, 3, 4):  # rank 1's loss is NaN from step 3 on; the check runs at steps 2 and 4
+        bad = dist.get_rank() == 1 and step >= 3
+        log.step(step, torch.tensor(float("nan") if bad else 1.0), 0.1, 1.0)
+    print(f"rank {dist.get_rank()}: went on")
+except DivergedError as exc:
+    print(f"rank {dist.get_rank()} stopped: {exc}")
+dist.destroy_process_group()
+"""
+
+
+def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """One rank's loss diverges: every rank stops at the same check, naming that rank, instead of rank 1 stopping
+    alone while rank 0 waits in the next all-reduce."""
+    from conftest import PYTHON, run
+    script = tmp_path / "nan.py"
+    script.write_text(NAN_ON_RANK_1)
+    out = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]).stdout
+    lines = sorted(line for line in out.splitlines() if line.startswith("rank"))
+    assert len(lines) == 2 and all(" stopped: rank 1: the training loss is " in line for line in lines), out
+    assert "is nan at step 4" in lines[1] and "is not finite at step 4" in lines[0]
+
+
+AUGMENTED_SAMPLE = """
+import hashlib, pathlib, sys, torch
+from tutorial import train_ddp
+from tutorial.core.config import TrainConfig
+from tutorial.core.models import checksum
+cfg = TrainConfig.preset("workshop-cpu", workers=0, precision="fp32", channels_last=False, model="cnn_bn")
+device, amp, world, created = train_ddp.setup(cfg)
+model, optimizer, train_loader, test_loader, lr = train_ddp.build(cfg, device, world)
+image, label = train_loader.dataset[0]  # sample 0 through CIFAR-10's random crop and flip, on both ranks
+sample = hashlib.sha256(image.numpy().tobytes()).hexdigest()[:12]
+worker_seed = torch.empty((), dtype=torch.int64).random_().item()  # what a DataLoader draws for its workers
+pathlib.Path(sys.argv[1], f"rank{world.rank}").write_text(f"{checksum(model)} {sample} {worker_seed}")
+train_ddp.teardown(created)
+"""
+
+
+def test_ranks_share_the_initial_weights_but_draw_their_own_augmentation(tmp_path):
+    """Model init is seeded alike on every rank, the data's random crops and flips (and the loader workers' seeds,
+    drawn from the same generator) per rank: otherwise sample k on every rank gets the same crop."""
+    from conftest import PYTHON, run
+    script = tmp_path / "augment.py"
+    script.write_text(AUGMENTED_SAMPLE)
+    runs = []
+    for attempt in ("a", "b"):
+        (tmp_path / attempt).mkdir()
+        run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, tmp_path / attempt])
+        runs.append([(tmp_path / attempt / f"rank{r}").read_text().split() for r in (0, 1)])
+    assert runs[0] == runs[1], "the same seed gives the same draws in a second run"
+    (w0, s0, k0), (w1, s1, k1) = runs[0]
+    assert w0 == w1 and s0 != s1 and k0 != k1, runs[0]
