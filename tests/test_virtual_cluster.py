@@ -80,7 +80,7 @@ def pair(machine):
 
 
 @pytest.fixture
-def slurm(pair):
+def slurm_pair(pair):
     """Slurm on the pair: slurmctld on node1, slurmd on both (the tests install it with apt-get the first time, as
     `virtual_cluster.sh install` does; the notebook never installs anything)."""
     try:
@@ -258,7 +258,7 @@ def test_an_unreachable_master_port_is_a_bounded_clear_error(pair, cause):
 
 
 # ----------------------------------------------------------------------------------------------------- Slurm
-def test_sbatch_recipes_run_across_both_nodes(slurm, tmp_path):
+def test_sbatch_recipes_run_across_both_nodes(slurm_pair, tmp_path):
     """scripts/slurm/ddp_cpu.sbatch (torchrun per node, c10d) and horovod_cpu.sbatch (srun --mpi=pmix), submitted
     from node1 together: each job spans node1 and node2 and trains with world size 2 and identical replicas."""
     jobs = {}
@@ -290,7 +290,7 @@ with engines.start(n=2, engines="slurm", interface="eth0", timeout=120, show=Fal
 """
 
 
-def test_engines_through_slurm_on_both_nodes(slurm):
+def test_engines_through_slurm_on_both_nodes(slurm_pair):
     """The notebook's engines, started from a Python process on node1 (the job's first node, where the notebook would
     run): the controller listens on node1's eth0, and Slurm starts one engine on each node. device="auto" finds no
     GPU on the nodes and uses the CPU there."""
