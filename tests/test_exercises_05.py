@@ -52,3 +52,36 @@ def test_exercise_2_checker_names_the_mean_of_the_shards(cluster):
         "    return hvd.allreduce(torch.tensor(correct / total), name='mean_accuracy').item()\n")
     verdict = lesson.check_test_accuracy(cluster, mean_of_accuracies)
     assert verdict.startswith("wrong: every rank returned 0.6833, the mean of the shards' accuracies"), verdict
+
+
+def test_exercise_1_accepts_broadcast_first_and_names_the_unscaled_lr(cluster):
+    from tutorial.lessons import horovod as lesson
+    broadcast_first = defined(
+        "def prepare(model, optimizer):\n"
+        "    import horovod.torch as hvd\n"
+        "    hvd.broadcast_parameters(model.state_dict(), root_rank=0)\n"
+        "    optimizer.param_groups[0]['lr'] = optimizer.param_groups[0]['lr'] * hvd.size()\n"
+        "    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())\n"
+        "    hvd.broadcast_optimizer_state(optimizer, root_rank=0)\n"
+        "    return optimizer\n")
+    assert lesson.check_prepare(cluster, broadcast_first).startswith("correct: lr 0.2 for 2 ranks")
+    unscaled = defined(
+        "def prepare(model, optimizer):\n"
+        "    import horovod.torch as hvd\n"
+        "    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())\n"
+        "    hvd.broadcast_parameters(model.state_dict(), root_rank=0)\n"
+        "    return optimizer\n")
+    assert lesson.check_prepare(cluster, unscaled) == \
+        ("wrong: the learning rate is 0.1, not 0.1 x hvd.size() = 0.2: the global batch is 2 times larger, so is the "
+         "step (step 3)")
+
+
+def test_exercise_2_accepts_two_sums(cluster):
+    from tutorial.lessons import horovod as lesson
+    two_sums = defined(
+        "def test_accuracy(correct, total):\n"
+        "    import horovod.torch as hvd, torch\n"
+        "    c = hvd.allreduce(torch.tensor(float(correct)), op=hvd.Sum, name='c')\n"
+        "    t = hvd.allreduce(torch.tensor(float(total)), op=hvd.Sum, name='t')\n"
+        "    return float(c / t)\n")
+    assert lesson.check_test_accuracy(cluster, two_sums) == "correct: every rank got the test set's accuracy 0.6400"

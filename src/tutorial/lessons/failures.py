@@ -146,6 +146,8 @@ def check_mean_loss(cluster, mean_loss) -> str:
     cluster.run(on_every_rank, mean_loss, inputs=_loss_of, seconds=5.0)
     expected = sum(range(1, cluster.n + 1)) / cluster.n
     for rank, (status, value) in enumerate(cluster.results):
+        if status == "error" and not value.startswith(("RuntimeError", "DistBackendError", "DistError")):
+            return f"wrong: rank {rank} raised {value}"
         if status == "error":
             return (f"wrong: rank {rank} failed in a collective ({value[:90]}): a collective that only some ranks "
                     "call, inside `if rank == 0`, waits for the others in vain; call it on every rank")
@@ -188,6 +190,8 @@ def check_gather(cluster, gather_all) -> str:
     cluster.run(on_every_rank, _gather_trial, gather_all, inputs=_predictions_of, seconds=10.0, detail=True)
     expected = torch.cat([_predictions_of(r)[0] for r in range(cluster.n)])
     for rank, (status, value) in enumerate(cluster.results):
+        if status == "error" and not value.startswith(("RuntimeError", "DistBackendError", "DistError")):
+            return f"wrong: rank {rank}: {value} -- your code raised this before any collective could fail"
         if status == "error":
             return (f"wrong: rank {rank}: {value[:120]} -- all_gather needs the same shape on every rank: gather "
                     "the sizes first, pad to the largest, gather, then cut each piece to its size")

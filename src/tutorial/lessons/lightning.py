@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.config import TrainConfig
+from .ranks import describe, first_line
 
 # A Trainer asks mpi4py whether it runs under MPI, which starts Open MPI in this kernel as a "singleton" with a
 # helper daemon (orted) that would outlive the lesson; isolated singletons start none.
@@ -78,7 +79,13 @@ def check_training_step(module_cls) -> bool:
     from ..train_lightning import Classifier
     import logging
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    mine, returned, logged = _tiny_fit(module_cls)
+    try:
+        mine, returned, logged = _tiny_fit(module_cls)
+    except Exception as exc:  # noqa: BLE001 - Lightning refuses what some training_steps return; say so
+        print(f"  - Lightning stopped: {describe(exc)}: training_step must return the loss tensor (or a dict with "
+              "'loss'), the tensor backward() runs on")
+        print("training_step trains like the reference: False")
+        return False
     reference, _, _ = _tiny_fit(Classifier)
     problems = []
     if not returned or returned[0] is None:
@@ -104,14 +111,24 @@ def _solution_training_step(self, batch, batch_idx):
     return loss
 
 
-def _solution_class():
+def _solution_validation_step(self, batch, batch_idx):
+    X, y = batch
+    loss = F.cross_entropy(self(X), y)
+    self.log("test_loss", loss, sync_dist=True)  # the mean over every rank's share of the test set
+    return loss
+
+
+def _solution_class(name: str):
     from ..train_lightning import Classifier
-    return type("SolutionClassifier", (Classifier,), {"training_step": _solution_training_step})
+    method = {"SolutionClassifier": ("training_step", _solution_training_step),
+              "SolutionValidation": ("validation_step", _solution_validation_step)}[name]
+    return type(name, (Classifier,), dict([method]))
 
 
-def __getattr__(name):  # SolutionClassifier imports lightning only when asked for
-    if name == "SolutionClassifier":
-        return _solution_class()
+def __getattr__(name):  # the solution classes import lightning only when asked for
+    if name in ("SolutionClassifier", "SolutionValidation"):
+        globals()[name] = _solution_class(name)  # one class: pickled by name to the engines, found again there
+        return globals()[name]
     raise AttributeError(name)
 
 
@@ -122,8 +139,8 @@ def early_stopping_solution():
     return EarlyStopping(monitor="test_loss", mode="min", patience=2)
 
 
-def check_early_stopping(stopper) -> bool:
-    """Exercise 2: does this EarlyStopping watch a metric train_lightning logs, in the right direction?"""
+def _stopping_problems(stopper) -> list[str]:
+    """What is wrong with an EarlyStopping's settings for train_lightning's metrics, read from its attributes."""
     logged = {"test_loss": "min", "test_accuracy": "max", "train_loss": "min"}
     problems = []
     if stopper.monitor not in logged:
@@ -136,6 +153,81 @@ def check_early_stopping(stopper) -> bool:
                         f"{'down' if logged[stopper.monitor] == 'min' else 'up'}, so mode={logged[stopper.monitor]!r}")
     if stopper.patience < 1:
         problems.append("patience=0 stops at the first epoch without improvement; one noisy epoch would end the run")
+    return problems
+
+
+def _stopping_trial(module_cls, stopper, epochs: int = 3) -> dict:
+    """On every engine: fit module_cls (a train_lightning.Classifier) with the learner's EarlyStopping for up to
+    `epochs` epochs on the digits, every rank validating on its own half of 192 test images, as DDP does. Returns
+    this rank's value of the monitored metric after every validation, and the epochs it ran."""
+    import copy
+    import lightning as L
+    import torch.distributed as dist
+    from ..core.data import build_datasets, make_loader
+    from ..core.distributed import world_from_env
+    from ..core.lightning_glue import LaunchedDDP, Launcher, quiet
+    world = world_from_env()
+    created = not dist.is_initialized()
+    cfg = TrainConfig.preset("smoke", schedule="constant", warmup_epochs=0, workers=0)
+    train_set, test_set, info = build_datasets(cfg)
+    cpu = torch.device("cpu")
+    train = make_loader(torch.utils.data.Subset(train_set, range(8 * cfg.batch_size)), cfg, cpu)
+    test = make_loader(torch.utils.data.Subset(test_set, range(192)), cfg, cpu)
+    seen = []
+
+    class Watch(L.Callback):
+        def on_validation_end(self, trainer, module):
+            value = trainer.callback_metrics.get(stopper.monitor)
+            seen.append(None if value is None else float(value))
+
+    L.seed_everything(0, verbose=False)
+    module = module_cls(cfg, info, cfg.lr, len(train))
+    trainer = L.Trainer(accelerator="cpu", devices=world.local_world_size, num_nodes=world.world_size //
+                        world.local_world_size, max_epochs=epochs, strategy=LaunchedDDP(cluster_environment=Launcher(world)),
+                        callbacks=[copy.deepcopy(stopper), Watch()], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    try:
+        with quiet(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "log with sync_dist=True": the verdict says it in its place
+            trainer.fit(module, train, test)
+        return {"seen": seen, "epochs": trainer.current_epoch}
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check_early_stopping(stopper, module_cls=None, cluster=None) -> bool:
+    """Exercise 2: does this EarlyStopping watch a metric train_lightning logs, in the right direction, with some
+    patience? With a LightningModule class: fit it with the stopper on 2 engines (`cluster`, or 2 CPU engines
+    started for the check and stopped after it), and check that every rank saw the same value of the monitored
+    metric (the mean over the whole test set, sync_dist=True), so that the decision to stop is the same
+    everywhere. The run is bounded: 3 minutes at most."""
+    import contextlib
+    problems = _stopping_problems(stopper)
+    if not problems and module_cls is not None:
+        from ..launch import engines
+        from ..launch.engines import EngineTimeout, RankError
+        with contextlib.ExitStack() as stack:
+            if cluster is None:
+                cluster = stack.enter_context(engines.start(n=2, device="cpu", show=False))
+            try:
+                cluster.run(_stopping_trial, module_cls, stopper, timeout=180)
+                runs = list(cluster.results)
+            except (EngineTimeout, RankError) as exc:
+                problems.append(f"the 2-rank run failed: {first_line(exc)}")
+                runs = []
+        for epoch, values in enumerate(zip(*(r["seen"] for r in runs))):
+            if None in values:
+                problems.append(f"{stopper.monitor} was not logged in validation_step")
+                break
+            if max(values) - min(values) > 1e-6:
+                problems.append(
+                    f"after epoch {epoch} the ranks saw {stopper.monitor} = "
+                    + ", ".join(f"{v:.4f} (rank {r})" for r, v in enumerate(values))
+                    + ": each logged the mean over its own half of the test set, so each rank's EarlyStopping "
+                    "judged another number (Lightning stops all ranks as soon as one says stop); "
+                    "log with self.log(..., sync_dist=True), which averages over the ranks")
+                break
     for p in problems:
         print("  -", p)
     print(f"early stopping watches the test loss sensibly: {not problems}")

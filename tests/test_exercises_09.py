@@ -1,0 +1,68 @@
+"""09_sharded_training's exercises: each checker accepts the package's solution and another correct answer, and
+rejects the notebook's unedited skeleton and another plausible mistake, saying what is wrong."""
+from __future__ import annotations
+
+from answers import defined
+from conftest import skeleton as notebook_skeleton
+
+from tutorial.lessons import sharded as lesson
+
+
+def skeleton(heading: str):
+    return notebook_skeleton("09_sharded_training", heading)
+
+
+def test_exercise_1_bytes_per_parameter(capsys):
+    assert lesson.check_bytes_per_parameter(lesson.zero_bytes_per_parameter)
+    assert not lesson.check_bytes_per_parameter(skeleton("### Exercise 1"))
+    assert "stage 1, 2 ranks: you have 9 bytes per parameter, expected 10" in capsys.readouterr().out
+
+
+def test_exercise_1_accepts_a_table_and_names_stage_3_keeping_whole_weights(capsys):
+    table = defined(
+        "def my_bytes_per_parameter(stage, world_size):\n"
+        "    sharded = {0: (), 1: ('optimizer',), 2: ('optimizer', 'grads'), 3: ('optimizer', 'grads', 'weights')}\n"
+        "    size = {'weights': 2, 'grads': 2, 'optimizer': 12}\n"
+        "    return sum(b / world_size if k in sharded[stage] else b for k, b in size.items())\n")
+    assert lesson.check_bytes_per_parameter(table)
+    no_weights = defined(
+        "def my_bytes_per_parameter(stage, world_size):\n"
+        "    weights, grads, optimizer = 2, 2, 12\n"
+        "    if stage >= 1:\n"
+        "        optimizer /= world_size\n"
+        "    if stage >= 2:\n"
+        "        grads /= world_size\n"
+        "    return weights + grads + optimizer\n")
+    assert not lesson.check_bytes_per_parameter(no_weights)
+    assert "stage 3, 2 ranks" in capsys.readouterr().out
+
+
+def test_exercise_2_accepts_the_solution_and_names_the_missing_root(cluster):
+    assert cluster.run(lesson.check_fully_shard, lesson.fully_shard_solution)["ok"]
+    cluster.view.execute("import torch", block=True)  # the skeleton uses the notebook's engines' `import torch`
+    checked = cluster.run(lesson.check_fully_shard, skeleton("### Exercise 2"))
+    assert not checked["ok"] and checked["problems"][0].startswith("the root is not sharded"), checked
+
+
+def test_exercise_2_names_sharding_only_the_root(cluster):
+    root_only = defined(
+        "def my_shard(model):\n"
+        "    from torch.distributed.fsdp import fully_shard\n"
+        "    fully_shard(model)\n"
+        "    return model\n")
+    checked = cluster.run(lesson.check_fully_shard, root_only)
+    assert not checked["ok"] and checked["problems"] == [checked["problems"][0]], checked
+    assert checked["problems"][0].startswith("the whole model is one FSDP unit"), checked
+
+
+def test_exercise_2_accepts_every_linear_found_by_type(cluster):
+    by_type = defined(
+        "def my_shard(model):\n"
+        "    import torch\n"
+        "    from torch.distributed.fsdp import fully_shard\n"
+        "    for module in model.modules():\n"
+        "        if isinstance(module, torch.nn.Linear):\n"
+        "            fully_shard(module, reshard_after_forward=True)\n"
+        "    fully_shard(model)\n")
+    checked = cluster.run(lesson.check_fully_shard, by_type)
+    assert checked["ok"], checked
