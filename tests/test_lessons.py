@@ -108,3 +108,26 @@ def test_measurements_keep_the_columns_the_notebooks_print():
     assert [list(r) for r in data_parallel.dp_throughput(cfg, steps=2)] == [["model", "gpus", "batch", "samples/s"]] * 2
     rows = mixed_precision.precision_benchmark(cfg, ("fp32", "bf16"), steps=2)
     assert [r["precision"] for r in rows] == ["fp32", "bf16"] and all(r["samples/s"] > 0 for r in rows)
+
+
+def test_an_error_is_quoted_as_its_first_line_without_gloo_source_prefix():
+    from tutorial.lessons import ranks
+    exc = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer\nmore")
+    assert ranks.first_line(exc) == "Connection closed by peer"
+    assert ranks.describe(ValueError("x" * 500)) == "ValueError: " + "x" * ranks.LIMIT
+    assert ranks.describe(KeyError()) == "KeyError: " and ranks.first_line("", None) == ""
+    assert ranks.first_error([("ok", 1), ("error", "TypeError: no"), ("error", "later")]) == (1, "TypeError: no")
+
+
+def test_on_every_rank_turns_the_learners_error_into_text_and_leaves_no_group():
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    try:
+        from tutorial.lessons.ranks import on_every_rank
+        assert on_every_rank(lambda a, r, n: (a, r, n), "x", inputs=lambda rank, size: (rank, size)) == \
+            ("ok", ("x", 0, 1))
+        assert on_every_rank(lambda: {}["missing"]) == ("error", "KeyError: 'missing'")
+        assert not dist.is_initialized()
+    finally:
+        for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+            os.environ.pop(name, None)
