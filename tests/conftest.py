@@ -100,3 +100,14 @@ def cluster():
     with engines.start(n=2, show=False) as c:
         yield c
     assert c.leftovers() == []
+
+
+@pytest.fixture
+def nothing_left_behind():
+    """After a test: no process it started survives (everything this process starts carries its launch tag). Any
+    that did is stopped, and the test fails naming it. Test modules that launch use it for every test."""
+    from tutorial.launch import processes
+    yield
+    left = processes.leftovers()
+    processes.stop(left)
+    assert not left, f"processes left behind: {left}"

@@ -10,13 +10,7 @@ import pytest
 from tutorial.launch import commands, processes, worker
 from tutorial.lessons import multi_node
 
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
-    yield
-    left = processes.leftovers()
-    processes.stop(left)
-    assert not left, f"processes left behind: {left}"
+pytestmark = pytest.mark.usefixtures("nothing_left_behind")  # conftest's: every test stops what it started
 
 
 @pytest.mark.parametrize("init", ["tcp", "file"])

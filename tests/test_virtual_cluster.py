@@ -24,7 +24,8 @@ from tutorial.lessons import multi_node
 nodes, slurm = multi_node.vcluster()  # the tool, imported from this checkout's tools/vcluster/
 
 WHY_NOT = nodes.available()
-pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=f"no virtual nodes here: {WHY_NOT}")
+pytestmark = [pytest.mark.skipif(bool(WHY_NOT), reason=f"no virtual nodes here: {WHY_NOT}"),
+              pytest.mark.usefixtures("nothing_left_behind")]  # conftest's: every test stops what it started
 
 SCRIPT = ROOT / "scripts" / "virtual_cluster.sh"
 RSH = ROOT / "scripts" / "netns_rsh"
@@ -90,14 +91,6 @@ def slurm_pair(pair):
     if not nodes.read_state().get("slurm"):
         slurm.up(quiet=True)
     return pair
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
-    yield
-    left = processes.leftovers()
-    processes.stop(left)
-    assert not left, f"processes left behind: {left}"
 
 
 def on_pair(cmd_for_rank, env=None, timeout=240, check=True) -> processes.Launch:
