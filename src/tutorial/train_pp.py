@@ -1,0 +1,99 @@
+"""Stage 11: pipeline parallel, every rank holds some of the blocks of a small GPT (notebook 11_model_parallelism).
+
+A one-process GPT loop plus the lines tagged "# PP:". Launch it with any of:
+
+    torchrun --standalone --nproc_per_node 2 -m tutorial.train_pp --schedule 1f1b --micro-batches 4 --out runs/pp
+    mpirun -np 2 python -m tutorial.train_pp --schedule gpipe                (also mpiexec/PALS, srun)
+    tutorial.launch.engines.start(n=2).run(tutorial.train_pp.main, cfg)     (ipyparallel engines, from a notebook)
+
+Rank r runs stage r: consecutive blocks (rank 0 also the embedding, the last rank the final norm, the head and the
+loss). Activations go forward to the next rank and their gradients come back, point to point. A stage would wait for
+its neighbours most of the time, so the batch is cut into micro-batches that flow through the stages one after the
+other (GPipe, Huang et al. 2019: all forwards, then all backwards; 1F1B, Narayanan et al. 2019: one forward, one
+backward, so at most p micro-batches' activations are held instead of m). Both leave each stage idle for a fraction
+(p-1)/(m+p-1) of the step, the bubble: more micro-batches, a smaller bubble.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist  # PP: the loss goes from the last stage to all
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # PP
+
+from .core.config import ConfigError  # PP
+from .core.distributed import init_process_group, pick_device, teardown, world_from_env  # PP
+from .core.gpt import (GPT, CharCorpus, ParallelConfig, batches, loss_fn, parameter_bytes, parse_parallel_args,
+                       pipeline_stage)  # PP: cuts the model into stages
+from .core.process import run_main
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # PP
+
+
+def setup(cfg: ParallelConfig):
+    world = world_from_env()  # PP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines
+    if cfg.batch_size % cfg.micro_batches:  # PP: every micro-batch the same shape, as the stages' buffers expect
+        raise ConfigError(f"batch-size {cfg.batch_size} is not a multiple of micro-batches {cfg.micro_batches}")
+    if cfg.n_layers % world.world_size:  # PP: equal stages
+        raise ConfigError(f"n-layers {cfg.n_layers} cannot be cut into {world.world_size} equal stages")
+    device = pick_device(world.local_rank, world.local_world_size)  # PP: one GPU per process, by local rank
+    created = init_process_group(world, device, cfg.timeout, cfg.backend)  # PP: nccl on GPUs, gloo on CPUs
+    return device, world, created
+
+
+def build(cfg: ParallelConfig, device: torch.device, world):  # PP: and who we are
+    corpus = CharCorpus()
+    model = GPT(cfg.gpt(), seed=cfg.seed)  # PP: the whole model from the seed, so the stages fit together ...
+    model = pipeline_stage(model, world.rank, world.world_size).to(device)  # PP: ... and this rank keeps its part
+    stage = PipelineStage(model, world.rank, world.world_size, device)  # PP: knows its neighbours by rank
+    # PP: the schedule cuts each batch into micro-batches and runs them through the stages; the last stage calls
+    # PP: loss_fn per micro-batch, and the gradients are divided by their number (scale_grads), as for one batch.
+    schedule = SCHEDULES[cfg.schedule](stage, n_microbatches=cfg.micro_batches, loss_fn=loss_fn)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # PP: each stage steps its own blocks
+    return model, optimizer, corpus, schedule  # PP: the schedule runs forward and backward
+
+
+def train_step(schedule, optimizer, world, X, y, device) -> float:  # PP: the schedule, not the model
+    optimizer.zero_grad()
+    losses = []  # PP: the last stage gets one loss per micro-batch
+    if world.rank == 0:  # PP: the first stage feeds the tokens
+        schedule.step(X)
+    elif world.rank == world.world_size - 1:  # PP: the last stage gets the targets
+        schedule.step(target=y, losses=losses)
+    else:  # PP: a middle stage only passes activations on and gradients back
+        schedule.step()
+    optimizer.step()
+    loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)  # PP
+    dist.broadcast(loss, src=world.world_size - 1)  # PP: every rank reports the last stage's loss
+    return loss.item()
+
+
+def main(cfg: ParallelConfig) -> dict:
+    device, world, created = setup(cfg)  # PP
+    try:  # PP: leave the process group on every exit path
+        model, optimizer, corpus, schedule = build(cfg, device, world)  # PP
+        losses, start = [], time.perf_counter()
+        for X, y in batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed):
+            X, y = X.to(device), y.to(device)
+            losses.append(train_step(schedule, optimizer, world, X, y, device))  # PP
+        metrics = dict(strategy="pp", schedule=cfg.schedule, micro_batches=cfg.micro_batches,  # PP
+                       world_size=world.world_size, device=str(device), steps=cfg.steps, losses=losses,
+                       seconds=time.perf_counter() - start,
+                       parameter_bytes=parameter_bytes(model))  # PP: this stage's blocks only
+        stages = [None] * world.world_size  # PP: rank 0 collects every stage's weights to save the whole model
+        dist.gather_object({k: v.detach().cpu() for k, v in model.state_dict().items()},
+                           stages if world.is_main_process else None)  # PP
+        if cfg.out and world.is_main_process:
+            os.makedirs(cfg.out, exist_ok=True)
+            torch.save({k: v for s in stages for k, v in s.items()}, os.path.join(cfg.out, "model.pt"))  # PP
+            with open(os.path.join(cfg.out, "metrics.json"), "w") as f:
+                json.dump(metrics, f, indent=1)
+        return metrics
+    finally:  # PP
+        teardown(created)  # PP
+
+
+if __name__ == "__main__":
+    run_main(main, parse_parallel_args("Train a small GPT with pipeline parallelism: one stage per rank."))  # PP
