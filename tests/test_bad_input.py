@@ -44,5 +44,6 @@ def test_ddp_rejects_sync_bn_without_gpus():
 
 
 def test_cli_rejects_unknown_stage_and_command():
-    assert_one_line_error(run([PYTHON, "-m", "tutorial", "train", "deepspeed"], check=False), "'deepspeed'")
+    assert_one_line_error(run([PYTHON, "-m", "tutorial", "train", "zero3"], check=False),
+                          "'zero3' is not one of: single, dp, ddp, horovod, fsdp, deepspeed, lightning")
     assert_one_line_error(run([PYTHON, "-m", "tutorial", "frobnicate"], check=False), "'frobnicate'")

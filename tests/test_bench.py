@@ -72,8 +72,8 @@ def test_scaling_speedup_efficiency_and_breakdown():
 
 def test_runlog_times_steps_only_on_request_and_counts_short_and_accumulated_batches():
     loader = DataLoader(TensorDataset(torch.zeros(70, 1), torch.zeros(70)), batch_size=32)  # 32, 32, 6
-    assert "step_times" not in tracking.RunLog(TrainConfig(), False).finish()
-    log = tracking.RunLog(TrainConfig(time_steps=True), False)
+    assert "step_times" not in tracking.RunLog(TrainConfig(), "single", "cpu", rank=1).finish()
+    log = tracking.RunLog(TrainConfig(time_steps=True), "single", "cpu", rank=1)
     for epoch in range(2):
         for i, (X, y) in enumerate(log.bar(loader, epoch)):
             if epoch == 0 or i % 2 == 1 or i + 1 == len(loader):  # epoch 1: two micro-batches per step

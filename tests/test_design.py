@@ -18,21 +18,27 @@ OTHER_TRAINERS = ["train_lightning"]
 
 
 def untagged_additions(old_text: str, new_text: str, tag: str) -> list[str]:
-    """Lines a stage adds over train_single.py that carry no tag. Exempt: the module docstring, blank lines, and
-    a line right after a tagged comment line (the comment explains the statement below it)."""
+    """Lines a stage adds over train_single.py that carry no tag. A tag covers a block, as accelerate's examples tag
+    theirs: a tagged comment line covers the added lines after it up to the next blank line, and a tagged statement
+    its continuation lines (until its brackets close). Also exempt: the module docstring and blank lines."""
     old, new = old_text.splitlines(), new_text.splitlines()
     docstring_end = next(i for i, line in enumerate(new) if i > 0 and line.rstrip().endswith('"""'))
     bad = []
     for op, _, _, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
         if op not in ("replace", "insert"):
             continue
+        block, depth = j1 > 0 and new[j1 - 1].strip().startswith(tag), 0  # a tagged comment just above the hunk
         for j in range(j1, j2):
-            line = new[j]
-            if j <= docstring_end or not line.strip() or tag in line:
+            line, code = new[j], new[j].split("#")[0]
+            if not line.strip():
+                block, depth = False, 0
                 continue
-            if j > 0 and new[j - 1].strip().startswith(tag):
-                continue
-            bad.append(f"line {j + 1}: {line.strip()}")
+            covered = j <= docstring_end or tag in line or block or depth > 0
+            block = block or line.strip().startswith(tag)
+            depth = max(depth + code.count("(") + code.count("[") + code.count("{")
+                        - code.count(")") - code.count("]") - code.count("}"), 0) if covered else 0
+            if not covered:
+                bad.append(f"line {j + 1}: {line.strip()}")
     return bad
 
 

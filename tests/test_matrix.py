@@ -148,7 +148,7 @@ import torch, torch.distributed as dist
 from tutorial.core.config import TrainConfig
 from tutorial.core.tracking import DivergedError, RunLog
 dist.init_process_group("gloo")
-log = RunLog(TrainConfig.preset("smoke", log_every=2), dist.get_rank() == 0)
+log = RunLog(TrainConfig.preset("smoke", log_every=2), "ddp", "cpu", dist.get_rank(), 2)
 try:
     for step in (1, 2, 3, 4):  # rank 1's loss is NaN from step 3 on; the check runs at steps 2 and 4
         bad = dist.get_rank() == 1 and step >= 3

@@ -21,7 +21,7 @@ from .core import checkpoint, tracking
 from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader, shard  # DDP: shard
 from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # DDP
-                               replica_checksums, teardown, world_from_env)  # DDP
+                               replica_checksums, teardown, world_from_env)
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model  # DDP: the replicas' digests come from core.distributed
 from .core.optim import build_optimizer, lr_at, micro_batch_weight, scaled_lr, set_lr  # DDP: scaled_lr
@@ -54,7 +54,7 @@ def build(cfg: TrainConfig, device: torch.device, world):  # DDP: needs rank and
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     # DDP: wrapping broadcasts rank 0's weights, then all-reduces gradients in buckets during backward.
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # DDP
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     lr = scaled_lr(cfg, world.world_size)  # DDP: a world_size times larger global batch, a larger lr
     optimizer = build_optimizer(model, cfg, lr)
     torch.manual_seed(cfg.seed + world.rank)  # DDP: each rank its own random crops and flips; weights were shared
@@ -122,9 +122,7 @@ def main(cfg: TrainConfig) -> dict:
 def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr) -> dict:  # DDP: main's loop
     if cfg.compile:
         model = torch.compile(model)
-    log = tracking.RunLog(cfg, world.is_main_process, strategy="ddp", world_size=world.world_size,  # DDP: rank 0
-                          precision=cfg.precision, device=str(device),  # DDP
-                          global_batch_size=cfg.batch_size * cfg.grad_accum * world.world_size)  # DDP
+    log = tracking.RunLog(cfg, "ddp", device, world.rank, world.world_size)  # DDP: rank 0 prints and writes
     state = checkpoint.resume(cfg, model, optimizer, amp.scaler, device)
     log.metrics["epochs"] = state.history
     for epoch in range(state.epoch, cfg.epochs):
@@ -160,4 +158,4 @@ def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, 
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with DistributedDataParallel, one process per GPU."))  # DDP
+    run_main(main, parse_args("Train with DistributedDataParallel, one process per GPU.", stage="ddp"))  # DDP

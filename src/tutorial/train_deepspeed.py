@@ -22,7 +22,7 @@ from .core.config import TrainConfig, parse_args
 from .core.deepspeed_compat import import_deepspeed, prepare, quiet  # DeepSpeed: its import, warnings, state
 from .core.data import build_datasets, make_loader
 from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # DeepSpeed
-                               replica_checksums, teardown, world_from_env)  # DeepSpeed
+                               replica_checksums, teardown, world_from_env)
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model  # DeepSpeed: the ranks' digests come from core.distributed
 from .core.optim import build_optimizer, lr_at, micro_batch_weight, scaled_lr, set_lr  # DeepSpeed: scaled_lr
@@ -62,9 +62,9 @@ def build(cfg: TrainConfig, device: torch.device, world):  # DeepSpeed: needs ra
     lr = scaled_lr(cfg, world.world_size)  # DeepSpeed: a world_size times larger global batch, a larger lr
     optimizer = build_optimizer(model, cfg, lr)
     ds_config = {  # DeepSpeed: the engine does what the other trainers spell out, configured from the same cfg
-        "train_micro_batch_size_per_gpu": cfg.batch_size, "gradient_accumulation_steps": cfg.grad_accum,  # DeepSpeed
-        "zero_optimization": {"stage": cfg.zero_stage}, "gradient_clipping": cfg.clip_grad,  # DeepSpeed
-        "bf16": {"enabled": cfg.precision == "bf16"}, "fp16": {"enabled": cfg.precision == "fp16"},  # DeepSpeed
+        "train_micro_batch_size_per_gpu": cfg.batch_size, "gradient_accumulation_steps": cfg.grad_accum,
+        "zero_optimization": {"stage": cfg.zero_stage}, "gradient_clipping": cfg.clip_grad,
+        "bf16": {"enabled": cfg.precision == "bf16"}, "fp16": {"enabled": cfg.precision == "fp16"},
         "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}  # DeepSpeed: our SGD; RunLog prints
     model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)  # DeepSpeed
     torch.manual_seed(cfg.seed + world.rank)  # DeepSpeed: each rank its own random crops and flips
@@ -133,9 +133,8 @@ def main(cfg: TrainConfig) -> dict:
 def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr) -> dict:  # DeepSpeed
     if cfg.compile:
         model.compile()  # DeepSpeed: the engine compiles the module it wraps
-    log = tracking.RunLog(cfg, world.is_main_process, strategy=f"deepspeed-zero{cfg.zero_stage}",  # DeepSpeed
-                          world_size=world.world_size, precision=cfg.precision, device=str(device),  # DeepSpeed
-                          global_batch_size=cfg.batch_size * cfg.grad_accum * world.world_size)  # DeepSpeed
+    # DeepSpeed: rank 0 prints and writes
+    log = tracking.RunLog(cfg, f"deepspeed-zero{cfg.zero_stage}", device, world.rank, world.world_size)
     state = sharded_checkpoint.resume_deepspeed(cfg, model)  # DeepSpeed: weights, partitions, loss scale
     log.metrics["epochs"] = state.history
     for epoch in range(state.epoch, cfg.epochs):
@@ -170,4 +169,4 @@ def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, 
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with DeepSpeed ZeRO: optimizer state, gradients, parameters sharded."))  # DeepSpeed
+    run_main(main, parse_args("Train with DeepSpeed ZeRO (sharded state).", stage="deepspeed"))  # DeepSpeed

@@ -103,11 +103,9 @@ def main(cfg: TrainConfig) -> dict:
     model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
     if cfg.compile:
         model = torch.compile(model)
-    log = tracking.RunLog(cfg, True, strategy="dp", world_size=1, precision=cfg.precision,  # DP
-                          device=str(device), global_batch_size=cfg.batch_size * cfg.grad_accum,  # DP
-                          gpus=torch.cuda.device_count())  # DP: how many replicas share each batch
+    log = tracking.RunLog(cfg, "dp", device, gpus=torch.cuda.device_count())  # DP: replicas that share a batch
     log.print(f"DataParallel over {torch.cuda.device_count()} GPU(s)" if device.type == "cuda" else  # DP
-              "DataParallel: no GPU here, so the model runs unreplicated on the CPU")  # DP
+              "DataParallel: no GPU here, so the model runs unreplicated on the CPU")
     state = checkpoint.resume(cfg, model, optimizer, amp.scaler, device)
     log.metrics["epochs"] = state.history
     for epoch in range(state.epoch, cfg.epochs):
@@ -139,4 +137,4 @@ def main(cfg: TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with nn.DataParallel over the GPUs of one node."))  # DP
+    run_main(main, parse_args("Train with nn.DataParallel over the GPUs of one node.", stage="dp"))  # DP

@@ -22,7 +22,7 @@ from .core import checkpoint, sharded_checkpoint, tracking  # FSDP: every rank w
 from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader
 from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # FSDP
-                               replica_checksums, teardown, world_from_env)  # FSDP
+                               replica_checksums, teardown, world_from_env)
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import blocks, build_model  # FSDP: blocks to shard; the digests come from core.distributed
 from .core.optim import build_optimizer, lr_at, micro_batch_weight, scaled_lr, set_lr  # FSDP: scaled_lr
@@ -123,9 +123,7 @@ def main(cfg: TrainConfig) -> dict:
 def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr) -> dict:  # FSDP: the loop
     if cfg.compile:
         model = torch.compile(model)
-    log = tracking.RunLog(cfg, world.is_main_process, strategy="fsdp", world_size=world.world_size,  # FSDP: rank 0
-                          precision=cfg.precision, device=str(device),  # FSDP
-                          global_batch_size=cfg.batch_size * cfg.grad_accum * world.world_size)  # FSDP
+    log = tracking.RunLog(cfg, "fsdp", device, world.rank, world.world_size)  # FSDP: rank 0 prints and writes
     state = sharded_checkpoint.resume_dcp(cfg, model, optimizer)  # FSDP: each rank reads the slices it holds
     log.metrics["epochs"] = state.history
     for epoch in range(state.epoch, cfg.epochs):
@@ -159,4 +157,4 @@ def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, 
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with FSDP: parameters, gradients and optimizer state sharded over ranks."))  # FSDP
+    run_main(main, parse_args("Train with FSDP: parameters, gradients, optimizer state sharded.", stage="fsdp"))  # FSDP

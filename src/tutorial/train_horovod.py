@@ -56,7 +56,7 @@ def build(cfg: TrainConfig, device: torch.device):
     optimizer = build_optimizer(model, cfg, lr)
     compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none  # Horovod: step 4
     optimizer = hvd.DistributedOptimizer(  # Horovod: step 4, all-reduce gradients as backward produces them
-        optimizer, named_parameters=model.named_parameters(), compression=compression,  # Horovod
+        optimizer, named_parameters=model.named_parameters(), compression=compression,
         backward_passes_per_step=cfg.grad_accum)  # Horovod: all-reduce once per accumulated step
     torch.manual_seed(cfg.seed + hvd.rank())  # Horovod: each rank its own random crops and flips (weights: step 5)
     return model, optimizer, train_loader, test_loader, lr
@@ -117,9 +117,7 @@ def main(cfg: TrainConfig) -> dict:
     model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
     if cfg.compile:
         model = torch.compile(model)
-    log = tracking.RunLog(cfg, hvd.rank() == 0, strategy="horovod", world_size=hvd.size(),  # Horovod: rank 0
-                          precision=cfg.precision, device=str(device),  # Horovod
-                          global_batch_size=cfg.batch_size * cfg.grad_accum * hvd.size())  # Horovod
+    log = tracking.RunLog(cfg, "horovod", device, hvd.rank(), hvd.size())  # Horovod: rank 0 prints and writes
     state = checkpoint.resume(cfg, model, optimizer, amp.scaler, device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # Horovod: step 5, start from rank 0's weights
     if state.step:  # Horovod: step 5, and its optimizer state (a fresh optimizer has none to send)
@@ -158,4 +156,4 @@ def main(cfg: TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with Horovod, one process per GPU.", horovod=True))  # Horovod
+    run_main(main, parse_args("Train with Horovod, one process per GPU.", stage="horovod"))  # Horovod

@@ -93,9 +93,7 @@ def build(cfg: TrainConfig, device: torch.device, world):
     steps_per_epoch = math.ceil(math.ceil(len(train_set) / world.world_size) / cfg.batch_size / cfg.grad_accum)
     module = Classifier(cfg, info, scaled_lr(cfg, world.world_size), steps_per_epoch)
     torch.manual_seed(cfg.seed + world.rank)  # each rank its own random crops and flips; the weights were shared
-    log = tracking.RunLog(cfg, world.is_main_process, strategy="lightning-ddp", world_size=world.world_size,
-                          precision=cfg.precision, device=str(device),
-                          global_batch_size=cfg.batch_size * cfg.grad_accum * world.world_size)
+    log = tracking.RunLog(cfg, "lightning-ddp", device, world.rank, world.world_size)
     callbacks = [RunRecord(log, world.world_size)]
     if cfg.out:  # rank 0 writes out/checkpoint.ckpt after every epoch: weights, optimizer, loops, callbacks
         callbacks.append(ModelCheckpoint(dirpath=cfg.out, filename="checkpoint", enable_version_counter=False))
@@ -139,4 +137,4 @@ def resume_path(cfg: TrainConfig) -> str | None:
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with PyTorch Lightning (DDP), one process per GPU."))
+    run_main(main, parse_args("Train with PyTorch Lightning (DDP), one process per GPU.", stage="lightning"))

@@ -99,8 +99,7 @@ def main(cfg: TrainConfig) -> dict:
     model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
     if cfg.compile:
         model = torch.compile(model)
-    log = tracking.RunLog(cfg, True, strategy="single", world_size=1, precision=cfg.precision,
-                          device=str(device), global_batch_size=cfg.batch_size * cfg.grad_accum)
+    log = tracking.RunLog(cfg, "single", device)
     state = checkpoint.resume(cfg, model, optimizer, amp.scaler, device)
     log.metrics["epochs"] = state.history
     for epoch in range(state.epoch, cfg.epochs):
@@ -132,4 +131,4 @@ def main(cfg: TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train on one device (CPU or one GPU)."))
+    run_main(main, parse_args("Train on one device (CPU or one GPU).", stage="single"))

@@ -67,20 +67,23 @@ class DivergedError(FloatingPointError):
 class RunLog:
     """Collects per-epoch metrics; on the main process also prints, draws the bar and writes files."""
 
-    def __init__(self, cfg: TrainConfig, is_main: bool, **meta):
-        self.cfg, self.is_main = cfg, is_main
-        self.metrics = dict(meta, config=cfg.to_dict(), epochs=[])
+    def __init__(self, cfg: TrainConfig, strategy: str, device, rank: int = 0, world_size: int = 1, **meta):
+        """rank 0 prints and writes; the global batch is the per-process batch x accumulation x world_size."""
+        self.cfg, self.is_main = cfg, rank == 0
+        self.metrics = dict(strategy=strategy, world_size=world_size, precision=cfg.precision, device=str(device),
+                            global_batch_size=cfg.batch_size * cfg.grad_accum * world_size, **meta,
+                            config=cfg.to_dict(), epochs=[])
         self.started = time.perf_counter()
         self.writer = None
         self.timer = StepTimer() if cfg.time_steps else None
-        if is_main and cfg.out:
+        if self.is_main and cfg.out:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 self.writer = SummaryWriter(os.path.join(cfg.out, "tb"))
             except ImportError:  # tensorboard is optional on bare GPU nodes; metrics.json is still written
                 self.print("tensorboard is not installed: no event files")
-        self.print(f"{meta.get('strategy')}: world size {meta.get('world_size')}, global batch "
-                   f"{meta.get('global_batch_size')}, precision {cfg.precision}, {cfg.dataset}/{cfg.model}")
+        self.print(f"{strategy}: world size {world_size}, global batch {self.metrics['global_batch_size']}, "
+                   f"precision {cfg.precision}, {cfg.dataset}/{cfg.model}")
 
     def print(self, message: str) -> None:
         if self.is_main:
