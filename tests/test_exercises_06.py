@@ -84,3 +84,11 @@ def test_exercise_2_rejects_an_endpoint_that_names_each_node_itself():
         assert verdict.startswith("wrong: line 6 `srun torchrun") and why in verdict, verdict
     verdict = lesson.check_sbatch(sbatch(HEAD, nproc="--nproc-per-node=8"))
     assert verdict == "wrong: line 6: --nproc_per_node 8 should be 4, one per GPU"
+
+
+def test_exercise_2_accepts_a_static_rendezvous_with_slurms_node_id_only():
+    static = SBATCH.format(setup=HEAD, nproc="--nproc_per_node 4", endpoint="").replace(
+        "--rdzv_backend c10d", '--node_rank "$SLURM_NODEID" --master_addr "$head" --master_port 29500')
+    assert lesson.check_sbatch(lambda: static).startswith("correct: 2 nodes, one torchrun per node")
+    same_rank = static.replace('"$SLURM_NODEID"', "0")
+    assert "every node needs its own --node_rank" in lesson.check_sbatch(lambda: same_rank)

@@ -361,6 +361,14 @@ def check_sbatch(ddp_sbatch) -> str:
             problems.append(f"line {tasks[1]} `{tasks[2]}`: srun starts that many torchruns per node, and each "
                             f"starts --nproc_per_node processes: {tasks[0]} x 4 per node, {tasks[0]} torchruns per node "
                             "fight over the same GPUs; torchrun needs --ntasks-per-node=1")
+        node_rank = ""  # as written: "$SLURM_NODEID" is right on every node, and no int for the parser
+        for i, w in enumerate(args):
+            if re.fullmatch(r"--node[-_]rank(=.*)?", w):
+                j, value = (i, w.partition("=")[2]) if "=" in w else (i + 1, args[i + 1] if i + 1 < len(args) else "")
+                node_rank = value
+                if value.startswith("$"):  # parse a stand-in; node_rank keeps what was written
+                    args = [*args[:j], "--node_rank=0" if j == i else "0", *args[j + 1:]]
+                break
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 ns = get_args_parser().parse_args(args)
@@ -375,9 +383,9 @@ def check_sbatch(ddp_sbatch) -> str:
             problems.append(f"line {n} `{line}`: rendezvous at {endpoint or 'nowhere'}{why}. Use the first node of "
                             "the job: head=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) and "
                             "\"$head:29500\"")
-        if not c10d:
-            problems.append(f"line {n}: with the static rendezvous every node needs its own --node_rank; use "
-                            "--rdzv_backend c10d, which numbers the nodes itself")
+        if not c10d and not re.search(r"SLURM_(NODEID|PROCID)", node_rank):
+            problems.append(f"line {n}: with the static rendezvous every node needs its own --node_rank: "
+                            "--node_rank \"$SLURM_NODEID\", or --rdzv_backend c10d, which numbers the nodes itself")
         nproc = str(ns.nproc_per_node)
         if nproc not in ("4", "gpu", "auto") and not re.fullmatch(r"\$\{?SLURM_GPUS_(PER|ON)_NODE\}?", nproc):
             problems.append(f"line {n}: --nproc_per_node {nproc} should be 4, one per GPU")
