@@ -8,7 +8,7 @@ against its solution, its skeleton and other answers).
 from __future__ import annotations
 
 import os
-import tempfile
+import statistics
 import time
 
 import torch
@@ -165,8 +165,8 @@ def tp_communication(cfg: ParallelConfig) -> dict:
 
 
 def bubble(timeline: dict) -> dict:
-    """Each stage's idle fraction of the step, measured (1 - its busy time / the step's length, the mean over the
-    steps), next to the formula (p-1)/(m+p-1) for p equal stages and m micro-batches; and the most micro-batches
+    """Each stage's idle fraction of the step, measured (1 - its busy time / the step's length, the median over the
+    steps, so that one step slowed down by another program does not decide it), next to the formula (p-1)/(m+p-1) for p equal stages and m micro-batches; and the most micro-batches
     a stage held at once (forwards done whose backward had not run yet): GPipe m, 1F1B about p."""
     p, m = timeline["stages"], timeline["micro_batches"]
     idle, in_flight = [], []
@@ -179,7 +179,7 @@ def bubble(timeline: dict) -> dict:
             for e in sorted(mine, key=lambda e: e["start"]):
                 held += 1 if e["kind"] == "F" else -1
                 peak = max(peak, held)
-        idle.append(sum(fractions) / len(fractions))
+        idle.append(statistics.median(fractions))
         in_flight.append(peak)
     return dict(schedule=timeline["schedule"], stages=p, micro_batches=m, idle=idle,
                 formula=(p - 1) / (m + p - 1), in_flight=in_flight)
