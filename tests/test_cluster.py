@@ -329,11 +329,11 @@ def test_notebook_px_cell_quiet_output_and_killed_kernel_leaves_nothing(monkeypa
 
 
 @pytest.mark.parametrize("kind, launcher_class, expected", [
-    ("pbs", "PBSEngineSetLauncher", ["#PBS -l select=2:ngpus=4", "mpiexec -n 8 --ppn 4", "--mpi"]),
     ("slurm", "SlurmEngineSetLauncher", ["#SBATCH --nodes=2", "#SBATCH --ntasks=8", "srun --kill-on-bad-exit=1"]),
 ])
 def test_batch_recipes_render_for_ipyparallel(kind, launcher_class, expected, tmp_path):
-    """The Slurm and PBS recipes are ipyparallel batch templates: every placeholder must be filled (no queue here)."""
+    """The Slurm recipe is an ipyparallel batch template: every placeholder must be filled (no queue here). The PBS
+    templates (scripts/pbs/polaris/, scripts/pbs/openmpi/) are rendered and run in tests/test_pbs_recipes.py."""
     from pathlib import Path
 
     from ipyparallel.cluster import launcher
