@@ -15,26 +15,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import metrics, run, torchrun_cmd
 
 from tutorial import train_ddp, train_deepspeed, train_fsdp
 from tutorial.core.config import TrainConfig
-from tutorial.launch import engines
 from tutorial.lessons import lightning as lit_lesson, sharded
 
 TOL = 1e-5
 SMOKE = TrainConfig.preset("smoke")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = engines.start(n=2, show=False)
-    try:
-        yield c
-    finally:
-        c.stop()
-        assert c.leftovers() == []
 
 
 @pytest.fixture(scope="module")

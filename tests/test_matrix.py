@@ -53,16 +53,6 @@ CASES = [pytest.param(t, o, id=f"{t}-{o}", marks=[needs_mpi, needs_horovod] if t
 
 
 @pytest.fixture(scope="module")
-def local_engines():
-    c = engines.start(n=2, show=False)
-    try:
-        yield c
-    finally:
-        c.stop()
-        assert c.leftovers() == []
-
-
-@pytest.fixture(scope="module")
 def mpi_engines():
     c = engines.start(n=2, engines="mpi", show=False)
     try:
@@ -73,7 +63,7 @@ def mpi_engines():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, local_engines):
+def reference(tmp_path_factory, cluster):
     """What each option is compared with, run once per option for the module: one process at the global batch, and
     for bf16 DDP at the same 2 x 32 (autocast rounds a batch of 32 differently from one of 64)."""
     runs = {}
@@ -85,7 +75,7 @@ def reference(tmp_path_factory, local_engines):
             if stage == "single":
                 m = train_single.main(BASE.replace(batch_size=GLOBAL_BATCH, out=str(out), **changes))
             else:
-                m = local_engines.run(train_ddp.main, BASE.replace(batch_size=batch, out=str(out), **changes))
+                m = cluster.run(train_ddp.main, BASE.replace(batch_size=batch, out=str(out), **changes))
             runs[option, stage] = out, m
         return runs[option, stage]
     return run
@@ -97,7 +87,7 @@ def run_distributed(request, stage: str, option: str, out) -> dict:
     if stage == "horovod":
         from tutorial import train_horovod
         return request.getfixturevalue("mpi_engines").run(train_horovod.main, cfg)
-    return request.getfixturevalue("local_engines").run(TRAINERS[stage], cfg)
+    return request.getfixturevalue("cluster").run(TRAINERS[stage], cfg)
 
 
 @pytest.mark.parametrize("stage, option", CASES)
@@ -120,10 +110,10 @@ def test_trainer_option_matches_one_process_at_the_global_batch(stage, option, r
         assert difference < FP32_TOL and loss_gap < 1e-4, (difference, loss_gap)
 
 
-def test_the_matrix_can_fail(reference, local_engines, tmp_path):
+def test_the_matrix_can_fail(reference, cluster, tmp_path):
     """Negative controls: a run that ignored --clip-grad, or --precision bf16, would fail its comparison."""
     single, _ = reference("clip_grad")
-    local_engines.run(train_ddp.main, BASE.replace(batch_size=32, out=str(tmp_path)))
+    cluster.run(train_ddp.main, BASE.replace(batch_size=32, out=str(tmp_path)))
     print(f"no clipping: {max_difference(tmp_path, single):.3g}")
     assert max_difference(tmp_path, single) > 100 * FP32_TOL
     bf16, _ = reference("bf16", "ddp")
