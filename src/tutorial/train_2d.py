@@ -14,8 +14,6 @@ data parallel (FSDP, ZeRO-3) across nodes, and pipeline parallel as a third dime
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import torch
@@ -30,7 +28,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from .core.config import ConfigError  # TP
 from .core.distributed import init_process_group, pick_device, teardown, world_from_env
-from .core.gpt import GPT, CharCorpus, ParallelConfig, batches, loss_fn, parameter_bytes, parse_parallel_args
+from .core.gpt import (GPT, CharCorpus, ParallelConfig, batches, loss_fn, parameter_bytes, parse_parallel_args,
+                       save_run)
 from .core.process import run_main
 
 
@@ -135,15 +134,13 @@ def main(cfg: ParallelConfig) -> dict:
                 losses.append(train_step(model, optimizer, X, y, mesh))  # 2D
         metrics = dict(strategy="2d", mesh=dict(dp=mesh["dp"].size(), tp=cfg.tp),  # 2D
                        world_size=world.world_size, device=str(device), steps=cfg.steps,
-                       losses=losses, seconds=time.perf_counter() - start, test_loss=evaluate(cfg, model, corpus, device),
+                       losses=losses, seconds=time.perf_counter() - start,
+                       test_loss=evaluate(cfg, model, corpus, device),
                        parameter_bytes=parameter_bytes(model),  # TP: this rank's slices only
                        collectives={str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()})  # TP
         state = full_state(model)  # TP: a collective: every rank gathers
         if cfg.out and world.is_main_process:
-            os.makedirs(cfg.out, exist_ok=True)
-            torch.save(state, os.path.join(cfg.out, "model.pt"))
-            with open(os.path.join(cfg.out, "metrics.json"), "w") as f:
-                json.dump(metrics, f, indent=1)
+            save_run(cfg.out, state, metrics)
         return metrics
     finally:  # TP
         teardown(created)  # TP

@@ -15,8 +15,6 @@ backward, so at most p micro-batches' activations are held instead of m). Both l
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import torch
@@ -26,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from .core.config import ConfigError  # PP
 from .core.distributed import init_process_group, pick_device, teardown, world_from_env  # PP
 from .core.gpt import (GPT, CharCorpus, ParallelConfig, batches, loss_fn, parameter_bytes, parse_parallel_args,
-                       pipeline_stage)  # PP: cuts the model into stages
+                       pipeline_stage, save_run)  # PP: cuts the model into stages
 from .core.process import run_main
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # PP
@@ -86,10 +84,7 @@ def main(cfg: ParallelConfig) -> dict:
         dist.gather_object({k: v.detach().cpu() for k, v in model.state_dict().items()},
                            stages if world.is_main_process else None)  # PP
         if cfg.out and world.is_main_process:
-            os.makedirs(cfg.out, exist_ok=True)
-            torch.save({k: v for s in stages for k, v in s.items()}, os.path.join(cfg.out, "model.pt"))  # PP
-            with open(os.path.join(cfg.out, "metrics.json"), "w") as f:
-                json.dump(metrics, f, indent=1)
+            save_run(cfg.out, {k: v for s in stages for k, v in s.items()}, metrics)  # PP: the stages together
         return metrics
     finally:  # PP
         teardown(created)  # PP

@@ -268,6 +268,16 @@ def batches(data: CharCorpus | torch.Tensor, batch_size: int, context: int, step
         yield window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
+def save_run(out: str, state: dict, metrics: dict) -> None:
+    """Rank 0's record of a run: the whole model's weights (out/model.pt) and the metrics (out/metrics.json)."""
+    import json
+    import os
+    os.makedirs(out, exist_ok=True)
+    torch.save(state, os.path.join(out, "model.pt"))
+    with open(os.path.join(out, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=1)
+
+
 def parameter_bytes(model: nn.Module) -> int:
     """The bytes of parameters this rank holds: a DTensor (tensor parallel, FSDP2) counts its local shard only."""
     total = 0

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .. import train_2d, train_pp, train_tp
 from ..core.gpt import GPT, CharCorpus, ParallelConfig, batches, loss_fn, parameter_bytes
-from .ranks import describe, first_error, first_line, on_every_rank
+from .ranks import describe, first_error, on_every_rank
 
 TRAINERS = {"tp": train_tp, "pp": train_pp, "2d": train_2d}
 
@@ -166,8 +166,9 @@ def tp_communication(cfg: ParallelConfig) -> dict:
 
 def bubble(timeline: dict) -> dict:
     """Each stage's idle fraction of the step, measured (1 - its busy time / the step's length, the median over the
-    steps, so that one step slowed down by another program does not decide it), next to the formula (p-1)/(m+p-1) for p equal stages and m micro-batches; and the most micro-batches
-    a stage held at once (forwards done whose backward had not run yet): GPipe m, 1F1B about p."""
+    steps, so that one step slowed down by another program does not decide it), next to the formula (p-1)/(m+p-1)
+    for p equal stages and m micro-batches; and the most micro-batches a stage held at once (forwards done whose
+    backward had not run yet): GPipe m, 1F1B about p."""
     p, m = timeline["stages"], timeline["micro_batches"]
     idle, in_flight = [], []
     for s in range(p):
