@@ -24,7 +24,7 @@ from tutorial.core.process import free_port
 from tutorial.lessons import model_parallel as mp
 
 TOLERANCE = dict(logits=2e-6, loss=2e-6, weights=1e-4)
-BUBBLE_TOLERANCE = 0.25
+BUBBLE_TOLERANCE = 0.3
 CFG = ParallelConfig(steps=3, batch_size=8, micro_batches=4)
 
 
@@ -103,9 +103,10 @@ def test_pipeline_bubble_follows_the_formula():
     """Idle fraction per stage, measured from timed forward and backward events, against (p-1)/(m+p-1) for p = 2
     stages. Deterministic: GPipe holds all m micro-batches' activations at once, 1F1B at most p. Timed, so loosely:
     more micro-batches leave less idle, and the mean over the stages is near the formula. On a 2-core machine busy
-    with other programs the means were within 0.01-0.18 of it: time spent waiting for a neighbour's message counts
-    as idle, time a stage was descheduled by another program as busy, and the stages are not equal (the last also
-    runs the head and the loss). BUBBLE_TOLERANCE leaves some room beyond that."""
+    with other programs the means were within 0.01-0.22 of it (GPipe with 8 micro-batches the farthest: each
+    micro-batch's messages and scheduling count as idle, more of them with more micro-batches), and a stage
+    descheduled by another program counts as busy; the stages are not equal either (the last also runs the head and
+    the loss). BUBBLE_TOLERANCE leaves some room beyond that."""
     cfg = ParallelConfig(batch_size=32, d_model=128, context=64)
     rows = [mp.bubble(t) for t in spawn(2, mp.bubble_sweep, cfg, ("gpipe", "1f1b"), (2, 8), 3)[0]]
     by = {(r["schedule"], r["micro_batches"]): r for r in rows}
