@@ -158,9 +158,12 @@ def test_exercise_2_checker_accepts_the_solution_and_explains_the_shapes(cluster
     assert verdict.startswith("wrong: rank 0:") and "gather the sizes first" in verdict
 
 
-def test_a_diverged_loss_stops_the_run_naming_rank_and_step():
-    proc = run(train_cmd("single", "--preset", "smoke", "--lr", "1e5", "--warmup-epochs", "0", "--log-every", "1"),
-               check=False)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_diverged_loss_stops_the_run_naming_rank_and_step(workers):
+    """With loader workers too: they ignore SIGTERM, so a failed trainer must not end through the interpreter's exit,
+    which SIGTERMs its worker processes and waits for them (it hung there until this was fixed)."""
+    proc = run(train_cmd("single", "--preset", "smoke", "--lr", "1e5", "--warmup-epochs", "0", "--log-every", "1",
+                         "--workers", str(workers)), check=False, timeout=60)
     assert proc.returncode == 1
     line = one_error_line(proc)
     assert line.startswith("error: rank 0: the training loss is nan at step ") or "loss is inf" in line

@@ -64,7 +64,10 @@ def build(cfg: TrainConfig, device: torch.device, world):  # DeepSpeed: needs ra
     ds_config = {  # DeepSpeed: the engine does what the other trainers spell out, configured from the same cfg
         "train_micro_batch_size_per_gpu": cfg.batch_size, "gradient_accumulation_steps": cfg.grad_accum,
         "zero_optimization": {"stage": cfg.zero_stage}, "gradient_clipping": cfg.clip_grad,
-        "bf16": {"enabled": cfg.precision == "bf16"}, "fp16": {"enabled": cfg.precision == "fp16"},
+        # DeepSpeed: fp16 is its loss-scaled fp16 mode; bf16 is autocast around the forward (below), as in every
+        # DeepSpeed: trainer: its "bf16" mode keeps bf16 weights beside fp32 BatchNorm statistics, which the CPU
+        # DeepSpeed: batch_norm kernel refuses ("expected scalar type BFloat16 but found Float").
+        "fp16": {"enabled": cfg.precision == "fp16"},
         "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}  # DeepSpeed: our SGD; RunLog prints
     model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)  # DeepSpeed
     torch.manual_seed(cfg.seed + world.rank)  # DeepSpeed: each rank its own random crops and flips

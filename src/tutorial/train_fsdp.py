@@ -24,7 +24,7 @@ from .core.data import build_datasets, make_loader
 from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # FSDP
                                replica_checksums, teardown, world_from_env)
 from .core.metrics import patience_exhausted, top5_correct
-from .core.models import blocks, build_model  # FSDP: blocks to shard; the digests come from core.distributed
+from .core.models import batch_norms, blocks, build_model  # FSDP: units to shard
 from .core.optim import build_optimizer, lr_at, micro_batch_weight, scaled_lr, set_lr  # FSDP: scaled_lr
 from .core.precision import Precision
 from .core.process import run_main
@@ -55,10 +55,15 @@ def build(cfg: TrainConfig, device: torch.device, world, amp):  # FSDP: rank, wo
     # makes the convolutions run in NHWC anyway.
     # FSDP: mixed precision is FSDP's own policy, not autocast: parameters gathered in bf16/fp16 (half the bytes) and
     # FSDP: computed in it, gradients reduced and the sharded weights stepped in fp32, the logits returned in fp32.
-    policy = MixedPrecisionPolicy(param_dtype=amp.dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=amp.dtype, reduce_dtype=torch.float32)
+    # FSDP: BatchNorm layers are units of their own that compute in fp32 (FSDP1's default): their running statistics
+    # FSDP: are fp32, and a CPU kernel refuses bf16 weights beside them; they hand bf16 on to the next layer.
+    for norm in batch_norms(model) if amp.dtype else []:
+        fully_shard(norm, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=amp.dtype))
     for block in blocks(model):  # FSDP: one unit per residual block, each gathered only while it runs
         fully_shard(block, mp_policy=policy)  # FSDP: its parameters become DTensors, 1/world_size per rank
-    fully_shard(model, mp_policy=policy)  # FSDP: the root holds the rest (stem, head) and starts the first gather
+    # FSDP: the root holds the rest (stem, head), starts the first gather and returns fp32 logits
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(amp.dtype, torch.float32, output_dtype=torch.float32))
     lr = scaled_lr(cfg, world.world_size)  # FSDP: a world_size times larger global batch, a larger lr
     optimizer = build_optimizer(model, cfg, lr)  # FSDP: after sharding, so its state is sharded too
     torch.manual_seed(cfg.seed + world.rank)  # FSDP: each rank its own random crops and flips; weights were shared

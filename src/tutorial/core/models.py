@@ -68,6 +68,12 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return [layer for layer in model.children() if isinstance(layer, (nn.Conv2d, nn.Linear))]
 
 
+def batch_norms(model: nn.Module) -> list[nn.Module]:
+    """The BatchNorm layers: FSDP keeps them in fp32 (their running statistics are fp32, and the CPU kernel refuses
+    bf16 weights beside them)."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside its wrappers: what checkpoints hold and replicas are compared by."""
     model = getattr(model, "module", model)       # DataParallel, DistributedDataParallel

@@ -7,8 +7,9 @@ import signal
 import socket
 import sys
 import threading
+import traceback
 
-from .config import ConfigError, fail
+from .config import ConfigError
 
 
 def usable_cores() -> int:
@@ -70,16 +71,29 @@ class Sigterm:
 def run_main(main, cfg) -> None:
     """`python -m tutorial.train_<stage>`: run main(cfg); a bad option or missing data is one line and exit 2."""
     Sigterm.armed = True  # only a trainer run as a command saves on SIGTERM; engines keep their own handling
+    # Every way out goes through exit_process, failures included: the loader workers ignore SIGTERM (see
+    # core.data), and the interpreter's own exit would SIGTERM them and wait for them forever.
+    code = 0
     try:
         main(cfg)
     except ConfigError as exc:
-        fail(exc)
+        code = _one_line(exc, 2)
     except Stopped as exc:
         print(f"stopped: {exc}", file=sys.stderr)
-        exit_process(128 + signal.SIGTERM)
+        code = 128 + signal.SIGTERM
     except (TimeoutError, FloatingPointError) as exc:  # a missing rank, a diverged loss: who and where, in a line
-        fail(exc, code=1)
-    exit_process(0)  # not a plain return: see exit_process for the gloo thread that can abort a finished run
+        code = _one_line(exc, 1)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - a bug or Ctrl-C: the traceback, then the same exit as any other
+        traceback.print_exc()
+        code = 1
+    exit_process(code)  # not a plain return: see exit_process for the gloo thread that can abort a finished run
+
+
+def _one_line(exc: BaseException, code: int) -> int:
+    print(f"error: {exc}", file=sys.stderr)
+    return code
 
 
 def exit_process(code: int = 0):
