@@ -71,6 +71,13 @@ def checks(gpus: int, out: Path) -> list[dict]:
             found.append(trainer(stage, "--precision", precision, nproc=1, name=f"{stage}-1gpu-{precision}"))
             if gpus >= 2:
                 found.append(trainer(stage, "--precision", precision, nproc=nccl, name=f"{stage}-nccl-{nccl}-{precision}"))
+    # Tensor, pipeline and 2D parallel (11_model_parallelism): one rank per GPU over NCCL, where there are enough.
+    for stage, ranks, args in (("tp", 2, []), ("pp", 2, ["--schedule", "1f1b", "--micro-batches", "4"]),
+                               ("2d", 4, ["--tp", "2"])):
+        if gpus >= ranks:
+            found.append(dict(name=f"{stage}-nccl-{ranks}", expect="pass", command=[
+                PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), "-m",
+                f"tutorial.train_{stage}", *args, "--out", str(out / stage)]))
     found.append(dict(name=f"horovod-nccl-{nccl}", expect="pass", requires="horovod-nccl", command=[
         _tool("horovodrun"), "-np", str(nccl), "-H", f"localhost:{nccl}", "--gloo", PY, "-m", "tutorial.train_horovod",
         *workshop, "--out", str(out / "horovod")]))

@@ -88,6 +88,11 @@ def sized_for_cpu(cfg: TrainConfig) -> TrainConfig:
     return cfg.replace(**sizes, preset_name=CPU_SIZES)
 
 
+# 11_model_parallelism's trainers (train_tp, train_pp, train_2d): DTensor and pipelining want a GPU per rank, so
+# with fewer GPUs their ranks run on the CPU.
+MODEL_PARALLEL = ("tp", "pp", "2d")
+
+
 def allocation(ranks: int, cfg: TrainConfig | None = None, trainer: str | None = "ddp") -> Allocation:
     """What a lesson's `ranks` processes run on, and with what config; prints the choice in one line.
 
@@ -96,7 +101,7 @@ def allocation(ranks: int, cfg: TrainConfig | None = None, trainer: str | None =
       (SHARE_A_GPU); where it cannot, the ranks run on the CPU with the workshop-cpu preset's sizes;
     - no GPU: the CPU with gloo, and the preset choose_preset() picked (smoke unless $TUTORIAL_PRESET says otherwise).
 
-    trainer: the stage the ranks train with (ddp, horovod, fsdp, deepspeed, lightning), None for a process group
+    trainer: the stage the ranks train with (ddp, horovod, fsdp, deepspeed, lightning, tp, pp, 2d), None for a group
     made by hand in %%px cells. Visible GPUs honour CUDA_VISIBLE_DEVICES: on a shared node each attendee's JupyterLab
     gets its own, and the engines take only those. Use it as:
 
@@ -106,9 +111,9 @@ def allocation(ranks: int, cfg: TrainConfig | None = None, trainer: str | None =
     """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ConfigError(f"ranks must be a whole number of at least 1, got {ranks!r}")
-    if trainer is not None and trainer not in STAGES:
-        raise ConfigError(f"trainer {trainer!r} is not one of: {', '.join(STAGES)} (or None for a process group "
-                          f"made by hand)")
+    if trainer is not None and trainer not in STAGES + MODEL_PARALLEL:
+        raise ConfigError(f"trainer {trainer!r} is not one of: {', '.join(STAGES + MODEL_PARALLEL)} (or None for a "
+                          f"process group made by hand)")
     cfg = cfg if cfg is not None else TrainConfig.preset(default_preset())
     gpus = _visible_gpus()
     named = f"{len(gpus)} GPU(s) visible" + (f" ({','.join(gpus)})" if gpus else "")
