@@ -125,3 +125,11 @@ def test_trainers_run_under_torchrun_and_refuse_bad_options(tmp_path):
     assert bad.returncode != 0 and "batch-size 10 is not a multiple of micro-batches 4" in bad.stderr
     bad = run(train_cmd("tp", "--schedule", "zigzag"), check=False)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: schedule 'zigzag' is not one of: gpipe, 1f1b"
+
+
+@pytest.mark.parametrize("stage, flag", [("tp", "--micro-batches"), ("pp", "--tp"), ("2d", "--schedule")])
+def test_an_option_the_trainer_would_ignore_is_refused_in_one_line(stage, flag):
+    value = "gpipe" if flag == "--schedule" else "8"
+    proc = run(train_cmd(stage, flag, value), check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"error: {flag} {value} is not used by train_{stage}; it works in train_")

@@ -147,4 +147,4 @@ def main(cfg: ParallelConfig) -> dict:
 
 
 if __name__ == "__main__":
-    run_main(main, parse_parallel_args("Train a small GPT with FSDP over dp x tensor parallel over tp ranks."))  # 2D
+    run_main(main, parse_parallel_args("Train a small GPT with FSDP x tensor parallel.", stage="2d"))  # 2D

@@ -107,7 +107,8 @@ def build(cfg: TrainConfig, device: torch.device, world):
         num_nodes=world.world_size // world.local_world_size,
         strategy=LaunchedDDP(cluster_environment=Launcher(world)), precision=PRECISION[cfg.precision],
         max_epochs=cfg.epochs, max_steps=cfg.max_steps or -1, accumulate_grad_batches=cfg.grad_accum,
-        gradient_clip_val=cfg.clip_grad or None, sync_batchnorm=cfg.sync_bn, callbacks=callbacks, logger=False, num_sanity_val_steps=0,
+        gradient_clip_val=cfg.clip_grad or None, sync_batchnorm=cfg.sync_bn, callbacks=callbacks, logger=False,
+        num_sanity_val_steps=0,
         enable_progress_bar=bool(cfg.progress),
         enable_model_summary=False, enable_checkpointing=bool(cfg.out), default_root_dir=cfg.out or None)
     return module, trainer, train_loader, test_loader, log

@@ -91,4 +91,4 @@ def main(cfg: ParallelConfig) -> dict:
 
 
 if __name__ == "__main__":
-    run_main(main, parse_parallel_args("Train a small GPT with pipeline parallelism: one stage per rank."))  # PP
+    run_main(main, parse_parallel_args("Train a small GPT, one pipeline stage per rank.", stage="pp"))  # PP

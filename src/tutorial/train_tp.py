@@ -135,4 +135,4 @@ def main(cfg: ParallelConfig) -> dict:
 
 
 if __name__ == "__main__":
-    run_main(main, parse_parallel_args("Train a small GPT with tensor parallelism (DTensor) over all ranks."))  # TP
+    run_main(main, parse_parallel_args("Train a small GPT with tensor parallelism (DTensor).", stage="tp"))  # TP

@@ -213,8 +213,13 @@ class ParallelConfig:
         return dataclasses.replace(self, **changes).validate()
 
 
-def parse_parallel_args(description: str, argv=None) -> ParallelConfig:
-    """--flag value for every ParallelConfig field; a bad value is one line and exit 2."""
+# The fields only some of the three trainers read; the others refuse a value other than the default in one line.
+PARALLEL_ONLY_IN = {"tp": ("2d",), "sequence_parallel": ("tp", "2d"), "micro_batches": ("pp",), "schedule": ("pp",)}
+
+
+def parse_parallel_args(description: str, argv=None, stage: str | None = None) -> ParallelConfig:
+    """--flag value for every ParallelConfig field; a bad value, or one train_<stage> would ignore, is one line and
+    exit 2."""
     parser = argparse.ArgumentParser(description=description)
     parser.error = lambda message: fail(f"{message} (see --help)")  # one line, not the whole usage
     for f in dataclasses.fields(ParallelConfig):
@@ -224,7 +229,12 @@ def parse_parallel_args(description: str, argv=None) -> ParallelConfig:
         else:
             parser.add_argument(flag, type=type(f.default), default=f.default, metavar=f.name.upper())
     try:
-        return ParallelConfig(**vars(parser.parse_args(argv))).validate()
+        cfg = ParallelConfig(**vars(parser.parse_args(argv))).validate()
+        for name, stages in PARALLEL_ONLY_IN.items():
+            if stage and stage not in stages and getattr(cfg, name) != getattr(ParallelConfig(), name):
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is not used by train_{stage}; it "
+                                  f"works in {', '.join('train_' + s for s in stages)}")
+        return cfg
     except ConfigError as exc:
         fail(exc)
 
