@@ -1,6 +1,7 @@
 """10_when_things_go_wrong's exercises: each checker accepts the package's solution and another correct answer, and
 rejects the notebook's unedited skeleton and other plausible mistakes (a reduce to rank 0 only, all_gather_object,
-an error other than a collective's), with a verdict rather than a traceback."""
+an error other than a collective's, a model left without DDP, batches cut to the shortest rank's), with a verdict
+rather than a traceback."""
 from __future__ import annotations
 
 from answers import defined
@@ -77,3 +78,58 @@ def test_exercise_2_accepts_a_sum_of_placed_pieces(cluster):
         "    dist.all_reduce(out)\n"
         "    return out\n")
     assert lesson.check_gather(cluster, placed).startswith("correct: every rank has all 5")
+
+
+def test_exercise_3_unused_parameter(cluster):
+    assert lesson.check_unused(cluster, lesson.solution_wrap).startswith("correct: 3 steps on every rank")
+    verdict = lesson.check_unused(cluster, skeleton("### Exercise 3"))
+    assert verdict.startswith("wrong: rank 0 stopped at the second step with \"Expected to have finished reduction"), \
+        verdict
+    assert "find_unused_parameters=True" in verdict
+
+
+def test_exercise_3_accepts_static_graph_and_names_a_model_left_unwrapped(cluster):
+    static = defined(
+        "def wrap(model):\n"
+        "    import torch\n"
+        "    return torch.nn.parallel.DistributedDataParallel(model, static_graph=True)\n")
+    assert lesson.check_unused(cluster, static).startswith("correct: 3 steps on every rank")
+    unwrapped = defined(  # no DDP error any more, because nothing is averaged: each rank trains its own model
+        "def wrap(model):\n"
+        "    return model\n")
+    verdict = lesson.check_unused(cluster, unwrapped)
+    assert verdict.startswith("wrong: rank 0's body.weight differs from one process") and "wrapped in DDP" in verdict
+
+
+def test_exercise_4_uneven_inputs(cluster):
+    assert lesson.check_uneven(cluster, lesson.solution_train) == \
+        "correct: the ranks trained on [3, 5] batches, no hang, identical replicas"
+    verdict = lesson.check_uneven(cluster, skeleton("### Exercise 4"))
+    assert verdict.startswith("wrong: rank 1 failed in a collective: the ranks have [3, 5] batches"), verdict
+    assert "Join([model])" in verdict
+
+
+def test_exercise_4_accepts_ddp_join_and_names_batches_cut_to_the_shortest_rank(cluster):
+    ddp_join = defined(  # DDP's own context manager, the older spelling of Join([model])
+        "def train(model, batches):\n"
+        "    import torch\n"
+        "    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)\n"
+        "    with model.join():\n"
+        "        for x, y in batches:\n"
+        "            loss = ((model(x) - y) ** 2).mean()\n"
+        "            optimizer.zero_grad()\n"
+        "            loss.backward()\n"
+        "            optimizer.step()\n")
+    assert lesson.check_uneven(cluster, ddp_join).startswith("correct: the ranks trained on [3, 5] batches")
+    shortest = defined(  # no hang, but rank 1 throws 2 batches away
+        "def train(model, batches):\n"
+        "    import torch, torch.distributed as dist\n"
+        "    n = torch.tensor(len(batches))\n"
+        "    dist.all_reduce(n, op=dist.ReduceOp.MIN)\n"
+        "    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    for x, y in batches[:int(n)]:\n"
+        "        optimizer.zero_grad()\n"
+        "        torch.nn.functional.mse_loss(model(x), y).backward()\n"
+        "        optimizer.step()\n")
+    verdict = lesson.check_uneven(cluster, shortest)
+    assert verdict.startswith("wrong: rank 1 trained on 3 of its 5 batches"), verdict

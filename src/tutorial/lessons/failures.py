@@ -1,8 +1,9 @@
 """10_when_things_go_wrong: what the notebook needs around the failures it provokes on purpose.
 
-The failures themselves (a collective one rank skips, shapes that differ, a barrier nobody else reaches) are typed in
-the notebook's %%px cells. Here: reading every rank's Python stack while it hangs (py-spy), killing a process at a
-chosen moment, and finding the line a rank waits on in a dump.
+The failures themselves (a collective one rank skips, shapes that differ, a barrier nobody else reaches) and the
+tools (`py-spy dump`, `os.kill`, `torchrun --max-restarts`) are typed in the notebook. Here: the line a rank waits on
+in a py-spy dump, the pid of a torchrun worker to kill, a walltime's SIGTERM-then-SIGKILL, and the exercises' checkers
+and solutions.
 """
 from __future__ import annotations
 
@@ -12,54 +13,38 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
-from .ranks import on_every_rank
+from .ranks import first_error, on_every_rank
 
 
-def python_stacks(pids: list[int], timeout: float = 30) -> dict[int, str]:
-    """Each process's Python stack right now, as `py-spy dump` prints it (it reads the process's memory from the
-    outside, so it works on a process stuck in C++ inside a collective; it needs ptrace rights: root, or
-    kernel.yama.ptrace_scope=0). Processes must be on this host."""
-    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(exe).exists():
-        raise FileNotFoundError("py-spy is not installed (pip install py-spy, or make install)")
-    stacks = {}
-    for pid in pids:
-        proc = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout)
-        text = proc.stdout if proc.returncode == 0 else f"py-spy failed: {proc.stderr.strip()[-300:]}"
-        stacks[pid] = re.sub(r"\x1b\[[0-9;]*m", "", text)  # py-spy colours its output even into a pipe
-    return stacks
-
-
-def innermost_call(stack: str, skip=("torch/distributed/c10d_logger.py", "threading.py")) -> str:
-    """The innermost frame of the main thread's stack that is not a logging wrapper: `function (file:line)`."""
+def innermost_call(stack, skip=("torch/distributed/c10d_logger.py", "threading.py")) -> str:
+    """The innermost frame of the main thread's stack that is not a logging wrapper: `function (file:line)`. `stack`
+    is py-spy dump's output: a text, or the list of lines `dump = !py-spy dump --pid PID` captures (coloured)."""
+    if not isinstance(stack, str):
+        stack = "\n".join(stack)
+    stack = re.sub(r"\x1b\[[0-9;]*m", "", stack)  # py-spy colours its output even into a pipe
     main = stack.split("\nThread ")[1] if "\nThread " in stack else stack
     frames = [line.strip() for line in main.splitlines()[1:] if line.startswith("    ") and "(" in line]
     frames = [f for f in frames if not any(s in f for s in skip)]
     return frames[0] if frames else "(no Python frame)"
 
 
-def kill_when(condition, pid: int, sig: int = signal.SIGKILL, timeout: float = 120, poll: float = 0.02):
-    """In a background thread: wait until condition() is true, then send `sig` to pid (the scheduler, the OOM
-    killer or a failing node, on cue). Returns the thread; .killed_at holds what condition() saw, or None."""
-    def watch():
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            seen = condition()
-            if seen:
-                thread.killed_at = seen
-                os.kill(pid, sig)
-                return
-            time.sleep(poll)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.killed_at = None
-    thread.start()
-    return thread
+def torchrun_worker(out: str, local_rank: int = 1, timeout: float = 60) -> int:
+    """The pid of the torchrun worker with this LOCAL_RANK whose command line writes to `out` (10 kills it), waiting
+    up to `timeout` s for torchrun to start it."""
+    import psutil
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if out in (proc.info["cmdline"] or []) and proc.environ().get("LOCAL_RANK") == str(local_rank):
+                    return proc.pid
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        time.sleep(0.05)
+    raise TimeoutError(f"no torchrun worker with LOCAL_RANK={local_rank} writing to {out} within {timeout:g} s")
 
 
 def checkpoint_epochs(out: str) -> int:
@@ -88,22 +73,6 @@ def _interrupted(command: list[str], out: str, after_epochs: int, interrupt, tim
         return dict(command=commands.display(command), returncode=job.returncode, output=nodes.text(0))
     finally:
         nodes.close()
-
-
-def torchrun_losing_a_worker(out: str, args: list[str], after_epochs: int, max_restarts: int = 1,
-                             timeout: float = 300) -> dict:
-    """`torchrun --max-restarts N ... --resume --out OUT` with 2 workers; once the checkpoint holds `after_epochs`
-    epochs, one worker is SIGKILLed (a node's OOM killer, say). torchrun then stops the other worker and starts both
-    again, and they resume from the checkpoint. Returns the command, torchrun's exit code and its output."""
-    import psutil
-
-    def kill_a_worker(torchrun, seconds_left):
-        psutil.Process(torchrun.pid).children()[-1].kill()
-        torchrun.wait(timeout=seconds_left)
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--max-restarts", str(max_restarts), "-m", "tutorial.train_ddp", *args, "--resume", "--out", out]
-    return _interrupted(cmd, out, after_epochs, kill_a_worker, timeout)
 
 
 def walltime(command: list[str], out: str, after_epochs: int, grace: float = 30, timeout: float = 300) -> dict:
@@ -207,6 +176,131 @@ def check_gather(cluster, gather_all) -> str:
     return f"correct: every rank has all {len(expected)} predictions in rank order"
 
 
+# ------------------------------------------------------------------------- two DDP errors (exercises 3 and 4)
+def _rank_and_size(rank: int, world_size: int) -> tuple:
+    return rank, world_size
+
+
+def skip_net():
+    """A model whose forward never uses `spare` (an auxiliary head left in, a branch not taken): under plain DDP
+    its gradient never arrives, and the second step fails with "Expected to have finished reduction ..."."""
+    import torch
+    from torch import nn
+
+    class SkipNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 8)
+            self.head = nn.Linear(8, 1)
+            self.spare = nn.Linear(8, 1)  # defined, never called
+
+        def forward(self, x):
+            return self.head(torch.relu(self.body(x)))
+
+    torch.manual_seed(0)  # the same initial weights on every rank and in the reference
+    return SkipNet()
+
+
+def _unused_batch(rank: int, step: int):
+    import torch
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+
+
+UNUSED_STEPS = 3
+
+
+def _unused_trial(wrap, rank: int, world_size: int):
+    """On an engine, in a group: wrap(model), then UNUSED_STEPS SGD steps on this rank's batches; the weights."""
+    import torch
+    model = wrap(skip_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(UNUSED_STEPS):
+        x, y = _unused_batch(rank, step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    inner = getattr(model, "module", model)
+    return {name: p.detach().clone() for name, p in inner.named_parameters()}
+
+
+def check_unused(cluster, wrap) -> str:
+    """Exercise 3: wrap(model) must give a model that trains under DDP although model.spare is never used, with
+    the gradients averaged over the ranks: the weights equal one process's on both ranks' batches together."""
+    import torch
+    cluster.run(on_every_rank, _unused_trial, wrap, inputs=_rank_and_size, seconds=10.0)
+    failed = first_error(cluster.results)
+    if failed and "Expected to have finished reduction" in failed[1]:
+        return (f"wrong: rank {failed[0]} stopped at the second step with \"Expected to have finished reduction in "
+                "the prior iteration ...\": DDP waits for a gradient of every parameter, and model.spare never gets "
+                "one; tell DDP to look for unused parameters (find_unused_parameters=True) or that the graph is "
+                "the same every step (static_graph=True)")
+    if failed:
+        return f"wrong: rank {failed[0]} raised {failed[1]}"
+    reference = skip_net()  # one process, both ranks' batches at once: what averaged gradients must give
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(UNUSED_STEPS):
+        x, y = (torch.cat(t) for t in zip(*(_unused_batch(r, step) for r in range(cluster.n))))
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+    for rank, (_, weights) in enumerate(cluster.results):
+        if not isinstance(weights, dict) or set(weights) != {n for n, _ in reference.named_parameters()}:
+            return f"wrong: rank {rank}: wrap did not return the model (its parameters are {sorted(weights or {})})"
+        for name, p in reference.named_parameters():
+            if not torch.allclose(weights[name], p.detach(), atol=1e-6):
+                return (f"wrong: rank {rank}'s {name} differs from one process trained on all ranks' batches: the "
+                        "gradients were not averaged over the ranks; the model must still be wrapped in DDP")
+    return f"correct: {UNUSED_STEPS} steps on every rank, weights equal to one process on all batches"
+
+
+def _uneven_batches(rank: int):
+    import torch
+    g = torch.Generator().manual_seed(rank)
+    return [(torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3 + 2 * rank)]
+
+
+def _uneven_trial(train, rank: int, world_size: int):
+    """On an engine, in a group: a DDP model and 3 + 2 * rank batches (rank 0 has 3, rank 1 has 5); train(model,
+    batches); how many batches this rank's model saw and its weights."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    inner = torch.nn.Linear(4, 1)
+    seen = []
+    inner.register_forward_hook(lambda module, args, out: seen.append(1))
+    train(DDP(inner), _uneven_batches(rank))
+    return {"batches": len(seen), "weights": [p.detach().clone() for p in inner.parameters()]}
+
+
+def check_uneven(cluster, train, seconds: float = 10.0) -> str:
+    """Exercise 4: rank r has 3 + 2r batches; train(model, batches) must train on all of them on every rank and
+    end with identical replicas, without hanging (collectives give up after `seconds`)."""
+    import torch
+    cluster.run(on_every_rank, _uneven_trial, train, inputs=_rank_and_size, seconds=seconds)
+    counts = [len(_uneven_batches(r)) for r in range(cluster.n)]
+    failed = first_error(cluster.results)
+    if failed and failed[1].startswith(("RuntimeError", "DistBackendError", "DistError")):
+        # the error itself is gloo's "Connection closed by peer [host]:port" or a timeout, depending on timing
+        return (f"wrong: rank {failed[0]} failed in a collective: the ranks have {counts} "
+                f"batches; once rank 0 has run out, the others wait in a gradient all-reduce nobody joins. Train "
+                "inside `with Join([model]):` (torch.distributed.algorithms.join), which makes a finished rank "
+                "join the others' collectives")
+    if failed:
+        return f"wrong: rank {failed[0]} raised {failed[1]}"
+    for rank, (_, got) in enumerate(cluster.results):
+        if got["batches"] != counts[rank]:
+            return (f"wrong: rank {rank} trained on {got['batches']} of its {counts[rank]} batches: every batch "
+                    "must be used; let the ranks that finish first join the others (Join) instead of cutting")
+    first = cluster.results[0][1]["weights"]
+    for rank, (_, got) in enumerate(cluster.results[1:], start=1):
+        if not all(torch.equal(a, b) for a, b in zip(first, got["weights"])):
+            return (f"wrong: rank {rank}'s weights differ from rank 0's: the extra steps were not all-reduced (a "
+                    "rank trained on its own); train the DDP model itself inside `with Join([model]):`")
+    return f"correct: the ranks trained on {counts} batches, no hang, identical replicas"
+
+
 # The solutions; tests/test_exercises_10.py checks that each checker accepts its solution and rejects the
 # skeleton the notebook starts from.
 def solution_mean_loss(loss: float) -> float:
@@ -232,3 +326,19 @@ def solution_gather_all(preds):
     dist.all_gather(pieces, padded)  # 3. now all_gather can work
     return torch.cat([p[:int(s)] for p, s in zip(pieces, sizes)])  # 4. cut the padding off again
 
+
+def solution_wrap(model):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return DDP(model, find_unused_parameters=True)  # DDP walks the graph after each forward to find them
+
+
+def solution_train(model, batches):
+    import torch
+    from torch.distributed.algorithms.join import Join
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Join([model]):  # a rank out of batches shadows the others' all-reduces until every rank is done
+        for x, y in batches:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+    return model
