@@ -146,6 +146,8 @@ def test_00s_readiness_check_holds_on_a_gpu_node_whose_horovod_lacks_nccl_ops(gp
     """00's cell, executed as it stands, on a faked GPU node: doctor marks Horovod's missing NCCL operations (exit 1),
     and the cell's check still holds, because nothing else is missing."""
     from tutorial import cli
+    from tutorial.core.deepspeed_compat import import_deepspeed
+    import_deepspeed()  # DeepSpeed keeps the accelerator it finds at import: let it find this machine's, not the fake
     gpus(1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100")
     cell = next(c for c in _code(ROOT / "notebooks" / "00_setup.ipynb") if "cli.doctor(" in c)

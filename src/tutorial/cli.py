@@ -119,12 +119,18 @@ def doctor_rows():
                                 f"tensor ops {'+'.join(ops)}", fix))
     else:
         rows.append(("horovod", err, "bash scripts/install_horovod.sh (or 'make install')"))
-    # 08_lightning and 09_sharded_training; DeepSpeed picks its accelerator at import (guessing, with a warning).
+    # 08_lightning and 09_sharded_training; DeepSpeed picks its accelerator at import (guessing, with a warning), so
+    # it is named for the import only: a variable left in this process would reach every trainer it starts.
+    before = os.environ.get("DS_ACCELERATOR")
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if n else "cpu")
-    for module, label in (("ipyparallel", "ipyparallel"), ("nbval", "nbval"), ("tensorboard", "tensorboard"),
-                          ("jupyterlab", "jupyterlab"), ("lightning", "lightning"), ("deepspeed", "deepspeed")):
-        mod, err = _version(module)
-        rows.append((label, getattr(mod, "__version__", "?") if mod else err, None if mod else reinstall))
+    try:
+        for module, label in (("ipyparallel", "ipyparallel"), ("nbval", "nbval"), ("tensorboard", "tensorboard"),
+                              ("jupyterlab", "jupyterlab"), ("lightning", "lightning"), ("deepspeed", "deepspeed")):
+            mod, err = _version(module)
+            rows.append((label, getattr(mod, "__version__", "?") if mod else err, None if mod else reinstall))
+    finally:
+        if before is None:
+            os.environ.pop("DS_ACCELERATOR", None)
     return rows
 
 

@@ -238,5 +238,6 @@ def to_argv(cfg: TrainConfig) -> list[str]:
 
 def fail(exc: BaseException, code: int = 2):
     """Print a user error as one line on stderr and exit (no traceback)."""
-    print(f"error: {exc}", file=sys.stderr)
+    sys.stderr.write(f"error: {exc}\n")  # one write: the ranks of a job share the pipe
+    sys.stderr.flush()
     raise SystemExit(code)

@@ -79,8 +79,7 @@ def run_main(main, cfg) -> None:
     except ConfigError as exc:
         code = _one_line(exc, 2)
     except Stopped as exc:
-        print(f"stopped: {exc}", file=sys.stderr)
-        code = 128 + signal.SIGTERM
+        code = _one_line(exc, 128 + signal.SIGTERM, "stopped")
     except (TimeoutError, FloatingPointError) as exc:  # a missing rank, a diverged loss: who and where, in a line
         code = _one_line(exc, 1)
     except SystemExit as exc:
@@ -91,8 +90,11 @@ def run_main(main, cfg) -> None:
     exit_process(code)  # not a plain return: see exit_process for the gloo thread that can abort a finished run
 
 
-def _one_line(exc: BaseException, code: int) -> int:
-    print(f"error: {exc}", file=sys.stderr)
+def _one_line(exc: BaseException, code: int, prefix: str = "error") -> int:
+    """The line in one write: every rank of a job writes its line into the same pipe, and a line written in two
+    parts (print writes the text, then the newline) can be split by another rank's."""
+    sys.stderr.write(f"{prefix}: {exc}\n")
+    sys.stderr.flush()
     return code
 
 
