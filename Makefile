@@ -76,6 +76,7 @@ bench: install
 		--model resnet18 --batch-size 8 --warmup 3 --steps 10 --repeats 6
 	$(BIN)/python benchmarks/bare_loop.py --threads 1 --stage single,ddp --nproc 2 --instructions --warmup 2 \
 		--steps 10
+	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/pipeline_bubble.py
 
 # Not behind `install`: it must also run on a bare GPU machine with torch only (scripts/gpu_check.sh says how).
 gpu-check:

@@ -134,18 +134,19 @@ def test_micro_batch_weight_counts_samples_in_the_group():
 
 
 NAN_ON_RANK_1 = """
-import torch, torch.distributed as dist
+import pathlib, sys, torch, torch.distributed as dist
 from tutorial.core.config import TrainConfig
 from tutorial.core.tracking import DivergedError, RunLog
 dist.init_process_group("gloo")
 log = RunLog(TrainConfig.preset("smoke", log_every=2), "ddp", "cpu", dist.get_rank(), 2)
+said = "went on"
 try:
     for step in (1, 2, 3, 4):  # rank 1's loss is NaN from step 3 on; the check runs at steps 2 and 4
         bad = dist.get_rank() == 1 and step >= 3
         log.step(step, torch.tensor(float("nan") if bad else 1.0), 0.1, 1.0)
-    print(f"rank {dist.get_rank()}: went on")
 except DivergedError as exc:
-    print(f"rank {dist.get_rank()} stopped: {exc}")
+    said = f"stopped: {exc}"
+pathlib.Path(sys.argv[1], f"rank{dist.get_rank()}").write_text(said)  # a file each: the ranks share stdout
 dist.destroy_process_group()
 """
 
@@ -156,9 +157,9 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     from conftest import PYTHON, run
     script = tmp_path / "nan.py"
     script.write_text(NAN_ON_RANK_1)
-    out = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]).stdout
-    lines = sorted(line for line in out.splitlines() if line.startswith("rank"))
-    assert len(lines) == 2 and all(" stopped: rank 1: the training loss is " in line for line in lines), out
+    run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, tmp_path])
+    lines = [(tmp_path / f"rank{r}").read_text() for r in (0, 1)]
+    assert all(line.startswith("stopped: rank 1: the training loss is ") for line in lines), lines
     assert "is nan at step 4" in lines[1] and "is not finite at step 4" in lines[0]
 
 
