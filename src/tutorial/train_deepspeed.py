@@ -69,7 +69,8 @@ def build(cfg: TrainConfig, device: torch.device, world):  # DeepSpeed: needs ra
         # DeepSpeed: batch_norm kernel refuses ("expected scalar type BFloat16 but found Float").
         "fp16": {"enabled": cfg.precision == "fp16"},
         "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}  # DeepSpeed: our SGD; RunLog prints
-    model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)  # DeepSpeed
+    with quiet():  # DeepSpeed: its note on our torch optimizer, also when a lesson calls build() directly
+        model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     torch.manual_seed(cfg.seed + world.rank)  # DeepSpeed: each rank its own random crops and flips
     return model, optimizer, train_loader, test_loader, lr
 
