@@ -16,9 +16,10 @@ NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_
 # The second lane: the notebooks top to bottom with the workshop preset's code paths on a CPU (workshop-cpu), every
 # assert holding, outputs not compared (they differ from the stored smoke outputs by design). notebook.allocation
 # takes its no-GPU branch here; make gpu-check runs the one-GPU and full-node branches where there are GPUs.
-# Left out for now: 08 and 09, whose last lane runs (2026-11-25) still failed in cells that compare trainers on the
-# generated images (open in issue 19); the strict lane runs them with the smoke preset.
-LANE_NOTEBOOKS ?= $(filter-out notebooks/08_% notebooks/09_%,$(wildcard notebooks/[0-9][0-9]_*.ipynb))
+# Left out for now (open in issue 19; the strict lane runs them with the smoke preset): 08 and 09, whose last lane
+# runs (2026-11-25) failed in cells that compare trainers on the generated images, and 10, whose new typed kill and
+# restart cells have not yet passed a whole lane run.
+LANE_NOTEBOOKS ?= $(filter-out notebooks/08_% notebooks/09_% notebooks/10_%,$(wildcard notebooks/[0-9][0-9]_*.ipynb))
 WORKSHOP_LANE = TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax $(LANE_NOTEBOOKS) \
 	--nbval-cell-timeout $(NBVAL_TIMEOUT)
 
