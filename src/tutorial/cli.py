@@ -5,8 +5,8 @@ doctor is the first cell of 00_setup: what is on this machine, and whether the w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
-import os
 import platform
 import re
 import shutil
@@ -119,18 +119,15 @@ def doctor_rows():
                                 f"tensor ops {'+'.join(ops)}", fix))
     else:
         rows.append(("horovod", err, "bash scripts/install_horovod.sh (or 'make install')"))
-    # 08_lightning and 09_sharded_training; DeepSpeed picks its accelerator at import (guessing, with a warning), so
-    # it is named for the import only: a variable left in this process would reach every trainer it starts.
-    before = os.environ.get("DS_ACCELERATOR")
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if n else "cpu")
-    try:
-        for module, label in (("ipyparallel", "ipyparallel"), ("nbval", "nbval"), ("tensorboard", "tensorboard"),
-                              ("jupyterlab", "jupyterlab"), ("lightning", "lightning"), ("deepspeed", "deepspeed")):
-            mod, err = _version(module)
-            rows.append((label, getattr(mod, "__version__", "?") if mod else err, None if mod else reinstall))
-    finally:
-        if before is None:
-            os.environ.pop("DS_ACCELERATOR", None)
+    # 08_lightning and 09_sharded_training. DeepSpeed picks its accelerator when imported: the trainers' own import
+    # names it for the import only (a variable left in this process would reach every trainer it starts).
+    from .core.deepspeed_compat import import_deepspeed
+    with contextlib.suppress(Exception):  # a broken or missing DeepSpeed is reported by _version below
+        import_deepspeed()
+    for module, label in (("ipyparallel", "ipyparallel"), ("nbval", "nbval"), ("tensorboard", "tensorboard"),
+                          ("jupyterlab", "jupyterlab"), ("lightning", "lightning"), ("deepspeed", "deepspeed")):
+        mod, err = _version(module)
+        rows.append((label, getattr(mod, "__version__", "?") if mod else err, None if mod else reinstall))
     return rows
 
 
