@@ -36,7 +36,7 @@ def stats(path: Path) -> dict:
 
 
 def all_stats() -> list[dict]:
-    return [stats(p) for p in sorted(ROOT.glob("notebooks/[0-9][0-9]_*.ipynb"))]
+    return [stats(p) for p in sorted(ROOT.glob("notebooks/[0-9][0-9]*_*.ipynb"))]
 
 
 def main() -> int:

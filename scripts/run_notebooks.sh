@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 export TUTORIAL_PRESET=${TUTORIAL_PRESET:-smoke} IPP_NONINTERACTIVE=1 CI=${CI:-true}
 shopt -s nullglob
-notebooks=(${NB:-notebooks/[0-9][0-9]_*.ipynb})
+notebooks=(${NB:-notebooks/[0-9][0-9]*_*.ipynb notebooks/appendix_*.ipynb})
 for nb in "${notebooks[@]}"; do
   start=$(date +%s)
   "$VENV/bin/jupyter" nbconvert --to notebook --execute --inplace --ExecutePreprocessor.kernel_name=tutorial \

@@ -15,7 +15,7 @@ if [[ ! -f $vendor/reveal.js/dist/reveal.js || ! -f $vendor/requirejs/require.js
 fi
 # One Python process for all decks: speaker notes from slides/notes/, slides fitted to the screen, nothing from a CDN
 # (scripts/slides_export.py says how). The notebooks themselves are not touched.
-"$VENV/bin/python" scripts/slides_export.py --out slides --notes slides/notes notebooks/[0-9][0-9]_*.ipynb
+"$VENV/bin/python" scripts/slides_export.py --out slides --notes slides/notes notebooks/[0-9][0-9]*_*.ipynb notebooks/appendix_*.ipynb
 # Nothing may be loaded from the internet (links in the text are fine): a deck must open from the file system.
 if grep -lE '(<script[^>]* src|<link[^>]* href)="https?://|import [^;]* from .https?://' slides/*.slides.html; then
   echo "slides: error: the decks above still load something from the internet" >&2

@@ -15,7 +15,7 @@ from tutorial.core.config import ConfigError, TrainConfig, to_argv
 from tutorial.launch import engines
 from tutorial.lessons import notebook
 
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
 
 
 @pytest.fixture
@@ -163,7 +163,7 @@ def test_03s_equivalence_check_trains_on_unaugmented_data_under_every_preset():
     """03's 2 x 16 = 1 x 32 check printed False under workshop: CIFAR-10's random crops and flips are drawn in the
     loader workers, differently for one process and two. The cell now derives its config from any preset as the
     digits without workers, fp32 and the plain CNN: the config the smoke preset checks, which matches to 1e-5."""
-    cell = next(c for c in _code(ROOT / "notebooks" / "03_distributed_data_parallel.ipynb") if "2 ranks x 16" in c)
+    cell = next(c for c in _code(ROOT / "notebooks" / "03b_ddp_trainer.ipynb") if "2 ranks x 16" in c)
     statement = cell[cell.index("same = "):cell.index("\n", cell.index("warmup_epochs=0)"))]
     derived = {}
     for preset in ("smoke", "workshop-cpu", "workshop"):

@@ -1,5 +1,6 @@
-"""03_distributed_data_parallel's exercises and capstone: each checker accepts the package's solution and another
-correct answer, and rejects the skeleton the notebook stores and other plausible mistakes, naming each."""
+"""03's exercises (03a_ddp_by_hand's 1 and 2; 03b_ddp_trainer's 1 and 2, numbered 3 and 4 here) and capstone: each
+checker accepts the package's solution and another correct answer, and rejects the skeleton the notebook stores and
+other plausible mistakes, naming each."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,15 @@ from conftest import skeleton as notebook_skeleton
 from tutorial.lessons import ddp
 
 
+# This file's exercise number -> (notebook, heading there): 03 was split in two, each with its own numbering.
+EXERCISES = {"### Exercise 1": ("03a_ddp_by_hand", "### Exercise 1"),
+             "### Exercise 2": ("03a_ddp_by_hand", "### Exercise 2"),
+             "### Exercise 3": ("03b_ddp_trainer", "### Exercise 1"),
+             "### Exercise 4": ("03b_ddp_trainer", "### Exercise 2")}
+
+
 def skeleton(heading: str):
-    return notebook_skeleton("03_distributed_data_parallel", heading)
+    return notebook_skeleton(*EXERCISES[heading])
 
 
 EPOCH_ORDERS = """

@@ -31,7 +31,7 @@ def test_it_lists_every_trainer_precision_nccl_horovod_notebooks_and_resnet50():
     for stage in ("fsdp", "deepspeed", "lightning"):  # every trainer, not only those DDP derives from
         assert {f"{stage}-1gpu-{p}" for p in ("fp32", "bf16")} <= set(names)
     assert not {n for n in names if n.startswith(("tp-", "pp-", "2d-"))}  # one GPU: no NCCL model parallel
-    notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
     # here (no GPU) it lists a one-GPU node: every notebook under the one-GPU allocation
     assert [n for n in names if n.startswith("notebook-")] == [f"notebook-{nb}-1gpu" for nb in notebooks]
 
@@ -49,7 +49,7 @@ def test_an_8_gpu_node_adds_nccl_runs_of_every_trainer_and_the_notebooks_on_all_
         assert {f"{stage}-{n}-{p}" for n in ("1gpu", "nccl-8") for p in ("fp32", "bf16")} <= set(names)
     assert "ddp-nccl-8-bf16" in names and "ddp-gloo-9-ranks-on-8-gpus" in names
     assert {"tp-nccl-2", "pp-nccl-2", "2d-nccl-4"} <= set(names)  # model parallel (11) where a GPU per rank exists
-    notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
     assert {f"notebook-{nb}-{a}" for nb in notebooks for a in ("1gpu", "8gpu")} <= set(names)
 
 

@@ -10,7 +10,7 @@ spec = importlib.util.spec_from_file_location("notebook_stats", ROOT / "scripts"
 notebook_stats = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(notebook_stats)
 
-STAGES = [p for p in sorted(ROOT.glob("notebooks/[0-9][0-9]_*.ipynb")) if p.stem[:2] != "00"]
+STAGES = [p for p in sorted(ROOT.glob("notebooks/[0-9][0-9]*_*.ipynb")) if p.stem[:2] != "00"]
 
 
 def test_a_third_of_all_code_cells_use_the_taught_apis_directly():

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SLIDES = ROOT / "slides"
 NOTES = SLIDES / "notes"
-NOTEBOOKS = sorted(ROOT.glob("notebooks/[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted(ROOT.glob("notebooks/[0-9][0-9]*_*.ipynb"))
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 VENDOR = SLIDES / "vendor" / "node_modules" / "reveal.js" / "dist" / "reveal.js"
 # Speaker notes are written by hand for every notebook (slides/notes/<notebook>.md); a new notebook needs its own.

@@ -140,3 +140,15 @@ def test_grad_accum_and_clipping_run(tmp_path):
 def test_target_accuracy_stops_early():
     m = train_single.main(TrainConfig.preset("smoke", epochs=10, target_accuracy=0.9))
     assert len(m["epochs"]) < 10 and m["test_accuracy"] >= 0.9
+
+
+def test_quiet_prints_one_line_with_where_the_run_ended(capsys):
+    """--quiet (a run a notebook repeats): no header and no epoch lines, one line at the end with the last epoch."""
+    loud = train_single.main(TrainConfig.preset("smoke", epochs=2, max_steps=50))
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("single: world size 1") and sum(line.startswith("epoch ") for line in printed) == 2
+    quiet = train_single.main(TrainConfig.preset("smoke", epochs=2, max_steps=50, quiet=True))
+    [line] = capsys.readouterr().out.splitlines()
+    last = quiet["epochs"][-1]
+    assert line.startswith(printed[0] + "; after epoch 1: ") and f"test loss {last['test_loss']:.4f}" in line
+    assert quiet["test_loss"] == loud["test_loss"]  # quiet changes what is printed, nothing else

@@ -1,4 +1,4 @@
-"""Stage 3: DistributedDataParallel, one process per GPU (notebook 03_distributed_data_parallel).
+"""Stage 3: DistributedDataParallel, one process per GPU (notebooks 03a_ddp_by_hand and 03b_ddp_trainer).
 
 train_single.py plus the lines tagged "# DDP:". Launch it with any of:
 

@@ -145,7 +145,7 @@ def notebook_checks(out: Path, visible: list[str]) -> list[dict]:
         _tool("jupyter"), "nbconvert", "--to", "notebook", "--execute", "--ExecutePreprocessor.timeout=1800",
         "--ExecutePreprocessor.kernel_name=python3", "--output-dir", str(out / label), "--output", nb.name, str(nb)])
         for label, devices in allocations(visible).items()
-        for nb in sorted((CHECKOUT / "notebooks").glob("[0-9][0-9]_*.ipynb"))]
+        for nb in sorted((CHECKOUT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))]
 
 
 def _tool(name: str) -> str:

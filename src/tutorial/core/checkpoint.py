@@ -1,4 +1,4 @@
-"""Checkpoints: written by rank 0 only, atomically; read by every rank (03_distributed_data_parallel).
+"""Checkpoints: written by rank 0 only, atomically; read by every rank (03b_ddp_trainer).
 
 A checkpoint holds the unwrapped model (no "module." prefixes), so a run saved by DDP resumes in one process, under
 Horovod or with another world size.

@@ -76,6 +76,7 @@ class TrainConfig:
     resume: str = ""               # "auto": continue from out/checkpoint.pt; or a checkpoint path; "": start fresh
     progress: bool | None = None   # tqdm bar on rank 0; None: only when stderr is a terminal and not in CI
     log_every: int = 10            # steps between TensorBoard step scalars
+    quiet: bool = False            # one line at the end instead of a line per epoch (a run the notebook repeats)
     time_steps: bool = False       # time every optimizer step into metrics["step_times"] (tutorial bench)
     preset_name: str = ""          # the preset this config came from (for the record)
 

@@ -1,4 +1,4 @@
-"""Datasets and loaders (taught in 01_single_device; the samplers in 03_distributed_data_parallel).
+"""Datasets and loaders (taught in 01_single_device; the samplers in 03a_ddp_by_hand).
 
 digits (scikit-learn's real 8x8 handwritten digits, shipped with the package) is the offline CPU default. MNIST and
 CIFAR-10 come through torchvision: downloaded where there is internet, else read from --data-dir. ImageFolder reads an

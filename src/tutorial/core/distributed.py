@@ -1,4 +1,4 @@
-"""Who am I, and how do the processes find each other (03_distributed_data_parallel, 06_multi_node).
+"""Who am I, and how do the processes find each other (03a_ddp_by_hand and 03b_ddp_trainer, 06_multi_node).
 
 The trainers never ask a launcher directly. `world_from_env()` reads rank, local_rank and world_size from whatever
 started the process: torchrun (or ipyparallel engines, which `tutorial.launch.engines` gives torchrun's variables),

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule (lr scaling and warm-up are taught in 03_distributed_data_parallel)."""
+"""Optimizer and learning-rate schedule (lr scaling and warm-up are taught in 03b_ddp_trainer)."""
 from __future__ import annotations
 
 import math

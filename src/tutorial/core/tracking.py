@@ -1,7 +1,7 @@
 """What a run reports: rank-0 console lines, a tqdm bar, TensorBoard scalars and metrics.json; on request
 (cfg.time_steps, used by `tutorial bench`) the time of every optimizer step; and aligned text tables.
 
-Only rank 0 writes or prints (03_distributed_data_parallel): eight ranks printing the same line teach nothing, and
+Only rank 0 writes or prints (03b_ddp_trainer): eight ranks printing the same line teach nothing, and
 eight writers on one file corrupt it.
 """
 from __future__ import annotations
@@ -60,6 +60,11 @@ def print_table(rows: list[dict], floatfmt: str = ".3g") -> None:
 NO_RANK = 2**24  # "no rank": above any rank, exact in a float32 all-reduce
 
 
+def _losses(record: dict) -> str:
+    return (f"train loss {record['train_loss']:.4f}  test loss {record['test_loss']:.4f}  "
+            f"test accuracy {record['test_accuracy']:.4f}")
+
+
 class DivergedError(FloatingPointError):
     """The loss became NaN or infinite: one line naming the rank and step (exit code 1)."""
 
@@ -82,8 +87,10 @@ class RunLog:
                 self.writer = SummaryWriter(os.path.join(cfg.out, "tb"))
             except ImportError:  # tensorboard is optional on bare GPU nodes; metrics.json is still written
                 self.print("tensorboard is not installed: no event files")
-        self.print(f"{strategy}: world size {world_size}, global batch {self.metrics['global_batch_size']}, "
-                   f"precision {cfg.precision}, {cfg.dataset}/{cfg.model}")
+        self.header = (f"{strategy}: world size {world_size}, global batch {self.metrics['global_batch_size']}, "
+                       f"precision {cfg.precision}, {cfg.dataset}/{cfg.model}")
+        if not cfg.quiet:
+            self.print(self.header)
 
     def print(self, message: str) -> None:
         if self.is_main:
@@ -121,9 +128,9 @@ class RunLog:
 
     def epoch(self, record: dict, step: int) -> None:
         self.metrics["epochs"].append(record)
-        self.print(f"epoch {record['epoch']}: train loss {record['train_loss']:.4f}  test loss "
-                   f"{record['test_loss']:.4f}  test accuracy {record['test_accuracy']:.4f}  "
-                   f"{record['samples_per_second']:.0f} samples/s  {record['epoch_seconds']:.1f} s")
+        if not self.cfg.quiet:
+            self.print(f"epoch {record['epoch']}: {_losses(record)}  {record['samples_per_second']:.0f} samples/s  "
+                       f"{record['epoch_seconds']:.1f} s")
         if self.writer:
             for key in ("train_loss", "test_loss", "test_accuracy", "samples_per_second", "lr", "skipped_steps"):
                 self.writer.add_scalar(f"epoch/{key}", record[key], step)
@@ -137,6 +144,8 @@ class RunLog:
                             **final)
         if self.timer:
             self.metrics["step_times"] = self.timer.result()
+        if self.cfg.quiet and last:  # the one line of a quiet run: what it was and where it ended
+            self.print(f"{self.header}; after epoch {last['epoch']}: {_losses(last)}")
         self._write()
         if self.writer:
             self.writer.close()

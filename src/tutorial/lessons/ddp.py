@@ -1,4 +1,5 @@
-"""Infrastructure, plots and checks for 03_distributed_data_parallel; the DDP code itself is typed in the notebook.
+"""Infrastructure, plots and checks for 03a_ddp_by_hand and 03b_ddp_trainer; the DDP code itself is typed in the
+notebooks.
 
 Here: the learning-rate schedule for several world sizes, the replicas compared tensor by tensor, a profiler trace
 of one DDP backward turned into a timeline, reading back what rank 0 saved, and the exercises' and the capstone's

@@ -65,10 +65,10 @@ def _tiny_fit(module_cls, steps: int = 3):
         returned.append(out)
         return out
     module.training_step = spy
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     with warnings.catch_warnings():  # Lightning's warnings name files of this machine; the checker explains instead
         warnings.simplefilter("ignore")
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
         trainer.fit(module, loader)
     return torch.cat([p.detach().reshape(-1) for p in module.model.parameters()]), returned, \
         dict(trainer.callback_metrics)

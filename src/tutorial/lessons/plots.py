@@ -1,4 +1,4 @@
-"""Plots: learning curves (01_single_device, 03_distributed_data_parallel) and the scaling study (07_scaling_study).
+"""Plots: learning curves (01_single_device, 03b_ddp_trainer) and the scaling study (07_scaling_study).
 
 Each function takes what a trainer returned (metrics) or lines of results/*.jsonl (`tutorial.bench.read_results`),
 draws on the given matplotlib axes (or a new figure) and returns the figure, so a notebook cell stays one line.
