@@ -29,8 +29,14 @@ def doctor_on_a_node_with_driver(tmp_path, cuda: str) -> subprocess.CompletedPro
     return subprocess.run([BIN / "tutorial", "doctor"], capture_output=True, text=True, env=env, timeout=120)
 
 
-def test_gpu_invisible_to_torch_names_the_build_to_install(tmp_path):
-    proc = doctor_on_a_node_with_driver(tmp_path, "12.8")
+@pytest.fixture(scope="module")
+def node_with_a_new_driver(tmp_path_factory) -> subprocess.CompletedProcess:
+    """One doctor run (each imports every framework: seconds) on a node whose driver supports CUDA 12.8."""
+    return doctor_on_a_node_with_driver(tmp_path_factory.mktemp("driver"), "12.8")
+
+
+def test_gpu_invisible_to_torch_names_the_build_to_install(node_with_a_new_driver):
+    proc = node_with_a_new_driver
     assert proc.returncode == 1
     assert "NVIDIA driver 570.86.15 (CUDA up to 12.8) but torch sees no GPU" in proc.stdout
     fix = next(line for line in proc.stderr.splitlines() if line.startswith("missing GPUs:"))
@@ -45,9 +51,9 @@ def test_a_driver_too_old_for_every_build_says_so(tmp_path):
 
 
 @pytest.mark.skipif(not have_horovod(), reason="Horovod not built (run make install)")
-def test_horovod_without_nccl_on_a_gpu_node_is_flagged(tmp_path):
+def test_horovod_without_nccl_on_a_gpu_node_is_flagged(node_with_a_new_driver):
     import horovod.torch as hvd
-    proc = doctor_on_a_node_with_driver(tmp_path, "13.0")
+    proc = node_with_a_new_driver
     flagged = [line for line in proc.stderr.splitlines() if line.startswith("missing horovod:")]
     if hvd.nccl_built():
         assert not flagged

@@ -4,6 +4,7 @@ Every failure here is real: a trainer process whose partner never starts, a chec
 truncated or from another model, and a process killed while it writes checkpoints."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -102,39 +103,48 @@ class _Evil:
 
 
 SAVER = """
-import sys
+import json, os, signal, sys, time
+import torch
 from tutorial import train_single
 from tutorial.core import checkpoint
 from tutorial.core.config import TrainConfig
+torch.set_num_threads(1)  # no OpenMP pool to inherit across fork: the children only serialize
 cfg = TrainConfig.preset("smoke", out=sys.argv[1])
 device, precision = train_single.setup(cfg)
 model, optimizer, *_ = train_single.build(cfg, device)
-state = checkpoint.State()
-print("saving", flush=True)
-while True:
-    state.step += 1
-    checkpoint.save(cfg, model, optimizer, precision.scaler, state)
+path = os.path.join(cfg.out, "checkpoint.pt")
+for attempt in range(10):
+    pid = os.fork()  # a child that saves in a loop until it is killed; torch is imported once, not ten times
+    if pid == 0:
+        try:
+            state = checkpoint.State()
+            while True:
+                state.step += 1
+                checkpoint.save(cfg, model, optimizer, precision.scaler, state)
+        finally:
+            os._exit(1)  # a child that failed must not go on with the parent's loop
+    time.sleep(0.2 + 0.05 * attempt)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    try:
+        step = torch.load(path, weights_only=True)["step"] if os.path.exists(path) else None  # raises if half-written
+        print(json.dumps({"attempt": attempt, "step": step}), flush=True)
+    except Exception as e:
+        print(json.dumps({"attempt": attempt, "error": repr(e)}), flush=True)
 """
 
 
 def test_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
     """The save writes beside the old file and renames over it, so a SIGKILL at any moment leaves either the
-    previous or the new checkpoint, never half of one. Killed at ten different moments, then resumed from."""
-    path = tmp_path / "checkpoint.pt"
-    for attempt in range(10):
-        proc = subprocess.Popen([PYTHON, "-c", SAVER, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env(),
-                                cwd=ROOT)
-        try:
-            assert proc.stdout.readline().strip() == "saving"
-            time.sleep(0.2 + 0.05 * attempt)
-        finally:
-            proc.kill()
-            proc.wait()
-        if path.exists():
-            ckpt = torch.load(path, weights_only=True)  # raises on a half-written file
-            assert ckpt["step"] >= 1
-    assert path.exists(), "no save finished in 10 tries"
-    resumed = run(train_cmd("single", "--preset", "smoke", "--epochs", "1", "--resume", path))
+    previous or the new checkpoint, never half of one. A saver killed at ten different moments (each a fork of one
+    process, which saves in a loop), the file loaded after each kill, then resumed from."""
+    proc = run([PYTHON, "-c", SAVER, tmp_path], timeout=120)
+    attempts = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(attempts) == 10, proc.stdout + proc.stderr
+    assert not [a for a in attempts if "error" in a], attempts
+    assert all(a["step"] is None or a["step"] >= 1 for a in attempts), attempts
+    assert attempts[-1]["step"], "no save finished in 10 tries"
+    resumed = run(train_cmd("single", "--preset", "smoke", "--epochs", "1", "--resume", tmp_path / "checkpoint.pt"))
     assert resumed.returncode == 0
 
 
