@@ -46,8 +46,12 @@ def build(cfg: TrainConfig, device: torch.device):
     train_set, test_set, info = build_datasets(cfg)
     # Horovod: each rank reads its own 1/size of a shuffled order; set_epoch(epoch) reshuffles it every epoch.
     sampler = DistributedSampler(train_set, hvd.size(), hvd.rank(), shuffle=True, seed=cfg.seed)
-    train_loader = make_loader(train_set, cfg, device, sampler=sampler)
-    test_loader = make_loader(shard(test_set, hvd.rank(), hvd.size()), cfg, device)  # Horovod: exact shards
+    # Horovod: loader workers come from a fork server. Forking this process, which runs MPI and Horovod's
+    # background thread, can leave a worker deadlocked on a lock it inherited (seen in the workshop-cpu lane: rank
+    # 1's first test batch never came); Horovod's own PyTorch examples do the same.
+    train_loader = make_loader(train_set, cfg, device, sampler=sampler, start_method="forkserver")  # Horovod
+    test_loader = make_loader(shard(test_set, hvd.rank(), hvd.size()), cfg, device,  # Horovod: exact shards
+                              start_method="forkserver")  # Horovod
     model = build_model(cfg.model, info).to(device)
     if cfg.sync_bn:  # Horovod: BatchNorm statistics over the global batch, not each rank's slice
         model = convert_batchnorm(model, hvd.SyncBatchNorm)  # Horovod

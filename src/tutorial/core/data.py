@@ -192,8 +192,10 @@ def build_datasets(cfg: TrainConfig):
     return _imagefolder(cfg)
 
 
-def make_loader(dataset, cfg: TrainConfig, device: torch.device, sampler=None, batch_size: int | None = None):
-    """A DataLoader with the configured workers; pinned memory only helps host-to-GPU copies."""
+def make_loader(dataset, cfg: TrainConfig, device: torch.device, sampler=None, batch_size: int | None = None,
+                start_method: str | None = None):
+    """A DataLoader with the configured workers; pinned memory only helps host-to-GPU copies. start_method
+    "forkserver" starts the workers from a clean server process instead of forking this one (train_horovod)."""
     return DataLoader(
         dataset,
         batch_size=batch_size or cfg.batch_size,
@@ -202,6 +204,7 @@ def make_loader(dataset, cfg: TrainConfig, device: torch.device, sampler=None, b
         pin_memory=cfg.pin_memory and device.type == "cuda",
         persistent_workers=cfg.workers > 0,
         worker_init_fn=leave_sigterm_to_the_trainer if cfg.workers > 0 else None,
+        multiprocessing_context=start_method if cfg.workers > 0 else None,
     )
 
 
