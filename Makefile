@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 # this 2-core machine, but in CI the strict nbval lane took 22 min on two workers against 14 on one and a timing
 # check failed: the tests launch 2-4 processes each, so two at once oversubscribe two cores.
 # Strict nbval as users type it (pytest --nbval notebooks/); notebooks/conftest.py pins the preset the stored outputs
-# were made with and the sanitizer, so the Makefile adds only the cell timeout and the workers.
+# were made with and the sanitizer, so the Makefile adds only the cell timeout.
 NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_TIMEOUT)
 # The second lane: every notebook top to bottom with the workshop preset's code paths on a CPU (workshop-cpu), every
 # assert holding, outputs not compared (they differ from the stored smoke outputs by design). notebook.allocation
