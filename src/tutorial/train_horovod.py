@@ -12,8 +12,6 @@ runs at process exit; after an MPI_Finalize it could not start again).
 """
 from __future__ import annotations
 
-import multiprocessing  # Horovod: the loader workers' fork server
-
 import time
 
 import horovod.torch as hvd  # Horovod
@@ -50,9 +48,7 @@ def build(cfg: TrainConfig, device: torch.device):
     sampler = DistributedSampler(train_set, hvd.size(), hvd.rank(), shuffle=True, seed=cfg.seed)
     # Horovod: loader workers come from a fork server. Forking this process, which runs MPI and Horovod's
     # background thread, can leave a worker deadlocked on a lock it inherited (seen in the workshop-cpu lane: rank
-    # 1's first test batch never came); Horovod's own PyTorch examples do the same. The server imports the data
-    # code once, so that each worker does not import torch again.
-    multiprocessing.set_forkserver_preload(["torch", "torchvision", "tutorial.core.data"])  # Horovod
+    # 1's first test batch never came); Horovod's own PyTorch examples do the same.
     train_loader = make_loader(train_set, cfg, device, sampler=sampler, start_method="forkserver")  # Horovod
     test_loader = make_loader(shard(test_set, hvd.rank(), hvd.size()), cfg, device,  # Horovod: exact shards
                               start_method="forkserver")  # Horovod

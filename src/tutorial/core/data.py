@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import multiprocessing
 import os
 import signal
 import socket
@@ -196,6 +197,9 @@ def make_loader(dataset, cfg: TrainConfig, device: torch.device, sampler=None, b
                 start_method: str | None = None):
     """A DataLoader with the configured workers; pinned memory only helps host-to-GPU copies. start_method
     "forkserver" starts the workers from a clean server process instead of forking this one (train_horovod)."""
+    if start_method == "forkserver" and cfg.workers > 0:
+        # The server imports torch and this module once, before it starts: its workers then fork ready to load.
+        multiprocessing.set_forkserver_preload(["torch", "torchvision", __name__])
     return DataLoader(
         dataset,
         batch_size=batch_size or cfg.batch_size,
