@@ -27,7 +27,7 @@ WORKSHOP_LANE = TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax
 
 help:
 	@echo "make lab        set up if needed, then JupyterLab on notebooks/ (token auth, prints the URL)"
-	@echo "make test       set up if needed, then unit tests and pytest --nbval notebooks/"
+	@echo "make test       set up if needed, then unit tests, pytest --nbval notebooks/, the workshop-cpu lane"
 	@echo "make install    system MPI, .venv (pinned), Horovod (built, cached), the 'tutorial' kernel"
 	@echo "make notebooks  re-execute every notebook in place to refresh stored outputs (CPU preset)"
 	@echo "make slides     one reveal.js deck per notebook in slides/: speaker notes, fits the screen, opens offline"
