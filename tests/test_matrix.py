@@ -33,9 +33,13 @@ GLOBAL_BATCH = 64
 FP32_TOL = 1e-5
 # bf16, measured: DDP 2 x 32 vs one process x 64: 0.0095 (loss 0.0015); Horovod, Lightning, DeepSpeed (all autocast)
 # and FSDP (MixedPrecisionPolicy: the same bf16 operations, gradients reduced in fp32) vs DDP: 0, bitwise. fp32 vs
-# bf16 (both DDP 2 x 32): 0.0154, above every tolerance.
+# bf16 (both DDP 2 x 32): 0.0154 (0.0153 on an AVX-512 BF16 CPU), above every tolerance.
 BF16_TOL = {"ddp": 0.012, "horovod": 1e-5, "lightning": 1e-5, "fsdp": 1e-5, "deepspeed": 1e-5}
-BF16_LOSS = 0.005
+# The test loss of DDP bf16 2 x 32 against one process bf16 x 64 moved 0.0015 on an AVX2 CPU (bf16 emulated) and
+# 0.0083 on an AVX-512 BF16 one (2026-11-25), while fp32 against bf16 moves it only 0.0022: the loss cannot tell
+# bf16 from fp32, so it is a sanity bound there and the parameters (above) are the test. The other trainers are held
+# to DDP's bf16 loss as tightly as in fp32.
+BF16_LOSS = {"ddp": 0.02, "horovod": 1e-4, "lightning": 1e-4, "fsdp": 1e-4, "deepspeed": 1e-4}
 
 # option -> (config changes of every run, per-rank batch, accumulation)
 OPTIONS = {
@@ -101,11 +105,12 @@ def test_trainer_option_matches_one_process_at_the_global_batch(stage, option, r
     # samples: equal only when every batch is full, so it is compared by parameters alone.
     loss_gap = 0.0 if stage == "lightning" else abs(m["test_loss"] - single_metrics["test_loss"])
     if option == "bf16" and stage != "ddp":
-        ddp, _ = reference(option, "ddp")
+        ddp, ddp_metrics = reference(option, "ddp")
         difference = max_difference(tmp_path, ddp)
+        loss_gap = 0.0 if stage == "lightning" else abs(m["test_loss"] - ddp_metrics["test_loss"])
     print(f"{stage} {option}: max parameter difference {difference:.3g}, test loss gap {loss_gap:.3g}")
     if option == "bf16":
-        assert difference < BF16_TOL[stage] and loss_gap < BF16_LOSS, (difference, loss_gap)
+        assert difference < BF16_TOL[stage] and loss_gap < BF16_LOSS[stage], (difference, loss_gap)
     else:
         assert difference < FP32_TOL and loss_gap < 1e-4, (difference, loss_gap)
 
@@ -113,11 +118,12 @@ def test_trainer_option_matches_one_process_at_the_global_batch(stage, option, r
 def test_the_matrix_can_fail(reference, cluster, tmp_path):
     """Negative controls: a run that ignored --clip-grad, or --precision bf16, would fail its comparison."""
     single, _ = reference("clip_grad")
-    cluster.run(train_ddp.main, BASE.replace(batch_size=32, out=str(tmp_path)))
+    fp32 = cluster.run(train_ddp.main, BASE.replace(batch_size=32, out=str(tmp_path)))
     print(f"no clipping: {max_difference(tmp_path, single):.3g}")
     assert max_difference(tmp_path, single) > 100 * FP32_TOL
-    bf16, _ = reference("bf16", "ddp")
-    print(f"fp32 vs bf16 (DDP 2 x 32): {max_difference(tmp_path, bf16):.3g}")
+    bf16, bf16_metrics = reference("bf16", "ddp")
+    loss_gap = abs(fp32["test_loss"] - bf16_metrics["test_loss"])
+    print(f"fp32 vs bf16 (DDP 2 x 32): {max_difference(tmp_path, bf16):.3g}, test loss gap {loss_gap:.3g}")
     assert max_difference(tmp_path, bf16) > max(BF16_TOL.values())
 
 
