@@ -19,10 +19,12 @@ BIN = Path(PYTHON).parent
 
 
 def env(**extra) -> dict:
-    """This process's environment for a launch: unbuffered, no inherited rendezvous, and what Open MPI needs here."""
-    e = open_mpi_env(dict(os.environ, PYTHONUNBUFFERED="1", **extra))
+    """This process's environment for a launch: unbuffered, no inherited rendezvous, what Open MPI needs here, and
+    `extra` (a rendezvous a test gives on purpose is kept: without it a 2-rank job falls back to port 29500, which
+    a notebook running beside the tests may hold)."""
+    e = open_mpi_env(dict(os.environ, PYTHONUNBUFFERED="1"))
     e.pop("MASTER_ADDR", None), e.pop("MASTER_PORT", None)
-    return e
+    return {**e, **extra}
 
 
 def run(cmd, timeout=180, check=True) -> subprocess.CompletedProcess:

@@ -250,7 +250,7 @@ def launch(stage: str, cfg: TrainConfig, out: str, launcher: str = "torchrun", n
     cfg's flags, print the command and rank 0's training lines (not the launchers' dated log lines), and return the
     metrics.json rank 0 wrote. Whatever the launch started is stopped on a failure or a timeout."""
     from ..core.config import to_argv
-    from ..core.process import threads_per_process
+    from ..core.process import free_port, threads_per_process
     from ..launch.commands import _tool, display
     from ..launch.processes import launch as start, launcher_env
     program = ["-m", f"tutorial.train_{stage}", *to_argv(cfg.replace(out=out))]
@@ -259,7 +259,9 @@ def launch(stage: str, cfg: TrainConfig, out: str, launcher: str = "torchrun", n
     elif launcher == "mpirun":
         cmd = [_tool("mpirun"), "-np", str(nproc), sys.executable, *program]
     elif launcher == "deepspeed":  # its launcher passes --local_rank unless told not to; -m needs --module
-        cmd = [_tool("deepspeed"), "--num_gpus", str(nproc), "--no_local_rank", "--module", program[1], *program[2:]]
+        # and rendezvous on 29500 unless given a port: a second job on the node (a neighbour's) would collide
+        cmd = [_tool("deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), "--no_local_rank",
+               "--module", program[1], *program[2:]]
     else:
         raise ValueError(f"launcher {launcher!r} is not one of: torchrun, mpirun, deepspeed")
     shown = ["deepspeed", *cmd[1:]] if launcher == "deepspeed" else cmd
