@@ -536,7 +536,8 @@ def check_capstone(out: str, world_size: int = 2, script: str | None = None) -> 
         return (f"wrong: result.json has {len(sums)} checksums and {len(seen)} sample counts for world size "
                 f"{world_size}: gather every rank's with dist.all_gather_object")
     if len(set(sums)) > 1:
-        return (f"wrong: the replicas differ (checksums {', '.join(sums)}): wrap the model in DDP(model), so that "
+        differ = ", ".join(str(rank) for rank, s in enumerate(sums) if s != sums[0])
+        return (f"wrong: the replicas differ (rank {differ} against rank 0): wrap the model in DDP(model), so that "
                 "backward averages the gradients and every rank takes the same step")
     full = r["epochs"] * r["train_size"]
     if any(s >= full for s in seen):
@@ -557,5 +558,5 @@ def check_capstone(out: str, world_size: int = 2, script: str | None = None) -> 
     if r["test_accuracy"] < CAPSTONE_ACCURACY:
         return (f"wrong: test accuracy {r['test_accuracy']:.3f} < {CAPSTONE_ACCURACY}: with {world_size} ranks there "
                 f"are {world_size}x fewer steps per epoch; scale the learning rate by the world size")
-    return (f"correct: {world_size} ranks, identical replicas (checksum {sums[0]}), each rank read 1/{world_size} of "
+    return (f"correct: {world_size} ranks, identical replicas, each rank read 1/{world_size} of "
             f"the data, test accuracy {r['test_accuracy']:.3f} >= {CAPSTONE_ACCURACY}")
