@@ -1,20 +1,56 @@
 #!/usr/bin/env bash
-# `make gpu-check`: verify the GPU path on a machine with a CUDA GPU (tutorial.bench.gpucheck lists what it runs);
-# one line per check in results/gpu_check.jsonl. Works after `make install` on a GPU node (the venv), and on a bare
-# GPU machine that has torch but none of the project's other packages: they come as wheels from $WHEELS (default
-# .whl/, made here by scripts/gpu_wheels.sh) installed into a scratch folder, and the package is used from src/.
+# `make gpu-check STAGE=N`: verify the GPU path, one stage of at most 8 minutes (python -m tutorial.bench.gpucheck
+# --list --stage N shows its checks and their estimates). With the project's venv (after `make install`) it uses
+# that. On an offline GPU node with only its own Python and torch it uses that Python ($PYTHON, default python3) and
+# installs the wheels `make gpu-bundle` made ($WHEELS, default .whl/) over it into a scratch folder, without a
+# network (once: a second stage reuses the folder); the package itself is used from src/. Says which torch it found.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -x ${VENV:-.venv}/bin/python ]]; then
   py=${VENV:-.venv}/bin/python
+  export PATH="$PWD/${VENV:-.venv}/bin:$PATH"  # the venv's horovodrun, py-spy
 else
   py=${PYTHON:-python3}
   wheels=${WHEELS:-.whl}
-  site=${TMPDIR:-/tmp}/tutorial-gpu-site
   if compgen -G "$wheels/*.whl" >/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$wheels"/*.whl
+    key=$(cat "$wheels"/BUNDLE "$wheels"/*.whl 2>/dev/null | cksum | cut -d' ' -f1)
+    site=${TMPDIR:-/tmp}/tutorial-gpu-site-$key
+    if [[ ! -f $site/.installed ]]; then
+      rm -rf "$site"
+      start=$SECONDS
+      if "$py" -m pip --version >/dev/null 2>&1; then
+        "$py" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$site" \
+          "$wheels"/*.whl
+      else  # no pip in this Python: a wheel is a zip file (its .data/scripts go to bin/)
+        "$py" - "$site" "$wheels"/*.whl <<'PY'
+import os, shutil, stat, sys, zipfile
+site, wheels = sys.argv[1], sys.argv[2:]
+for wheel in wheels:
+    zipfile.ZipFile(wheel).extractall(site)
+for data in [d for d in os.listdir(site) if d.endswith(".data")]:
+    for kind in os.listdir(os.path.join(site, data)):
+        src = os.path.join(site, data, kind)
+        dest = os.path.join(site, "bin") if kind == "scripts" else site
+        if kind in ("scripts", "purelib", "platlib"):
+            os.makedirs(dest, exist_ok=True)
+            for name in os.listdir(src):
+                shutil.move(os.path.join(src, name), os.path.join(dest, name))
+                if kind == "scripts":
+                    os.chmod(os.path.join(dest, name), 0o755)
+    shutil.rmtree(os.path.join(site, data))
+PY
+      fi
+      touch "$site/.installed"
+      echo "gpu-check: $(ls "$wheels"/*.whl | wc -l) wheels from $wheels installed into $site in $((SECONDS - start)) s"
+    fi
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
+  else
+    echo "gpu-check: no wheels in $wheels (make gpu-bundle where there is internet): checks that need what this" \
+      "Python lacks are recorded as skips" >&2
   fi
-  export PYTHONPATH="$PWD/src:$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
-  "$py" -m ipykernel install --user --name python3 >/dev/null 2>&1 || true  # the notebooks' kernel: this Python
+  export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 fi
+"$py" -c 'import os, sys, torch; print(f"gpu-check: torch {torch.__version__} (CUDA {torch.version.cuda}, "
+  f"{torch.cuda.device_count()} GPU(s) visible) from {os.path.dirname(os.path.dirname(torch.__file__))}, "
+  f"Python {sys.version.split()[0]} ({sys.executable})")'
 exec "$py" -m tutorial.bench.gpucheck "$@"
