@@ -28,7 +28,7 @@ LANE_NOTEBOOKS ?= $(filter-out $(PRESET_FREE_NOTEBOOKS),$(wildcard notebooks/[0-
 WORKSHOP_LANE = TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax $(LANE_NOTEBOOKS) \
 	--nbval-cell-timeout $(NBVAL_TIMEOUT)
 
-.PHONY: help install lab test test-unit test-notebooks unit nbval workshop-lane notebooks slides bench gpu-check doctor clean check-vars
+.PHONY: help install lab test test-unit test-notebooks unit nbval workshop-lane notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
 
 help:
 	@echo "make lab        set up if needed, then JupyterLab on notebooks/ (token auth, prints the URL)"
@@ -37,8 +37,9 @@ help:
 	@echo "make notebooks  re-execute every notebook in place to refresh stored outputs (CPU preset)"
 	@echo "make slides     one reveal.js deck per notebook in slides/: speaker notes, fits the screen, opens offline"
 	@echo "make bench      throughput, all-reduce and trainer-vs-bare-loop benchmarks, appended to results/"
-	@echo "make gpu-check  on a GPU machine: every trainer (FSDP, DeepSpeed, Lightning too), NCCL, Horovod+NCCL, the"
-	@echo "                notebooks (workshop) on one GPU and on all, ResNet-50; ARGS=--list shows the checks"
+	@echo "make gpu-check  on a GPU node, STAGE=1..5 (8 min each; 1 and 2 first): trainers, NCCL, notebooks, ResNet-50;"
+	@echo "                RESULTS=DIR for the results; ARGS=--list shows a stage's checks and estimates"
+	@echo "make gpu-bundle where there is internet: the pinned wheels an offline GPU node lacks, into .whl/ (<= 60 MiB)"
 	@echo "make doctor     what is installed and whether the workbook can run here"
 
 check-vars:
@@ -93,9 +94,15 @@ bench: install
 		--steps 10
 	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/pipeline_bubble.py
 
-# Not behind `install`: it must also run on a bare GPU machine with torch only (scripts/gpu_check.sh says how).
+# Not behind `install`: it must also run on an offline GPU node with only its own torch and the wheels of
+# `make gpu-bundle` (scripts/gpu_check.sh says how). One stage per call, at most 8 minutes each.
+STAGE ?= 1
+RESULTS ?= results
 gpu-check:
-	@bash scripts/gpu_check.sh $(ARGS)
+	@bash scripts/gpu_check.sh --stage $(STAGE) --results-dir $(RESULTS) $(ARGS)
+
+gpu-bundle:
+	@bash scripts/gpu_bundle.sh
 
 clean:
 	rm -rf runs slides/*.html .pytest_cache

@@ -9,13 +9,43 @@
 # installed torch's headers ask for (upstream fixed this on master, never released). The built wheel is cached,
 # keyed by Horovod, torch, Python and GPU ops, so a second install takes seconds.
 set -euo pipefail
+say() { echo "install_horovod: $*"; }
+die() { echo "install_horovod: error: $*" >&2; exit 1; }
+
+# NCCL for HOROVOD_GPU_OPERATIONS=NCCL, from the pip package torch brought (nvidia-nccl-cu1x): it holds
+# lib/libnccl.so.2 and include/nccl.h, but Horovod's FindNCCL looks for libnccl.so (or, by default, the static
+# libnccl_static.a, which pip's package lacks). So: a scratch folder with include/ and lib/libnccl.so -> libnccl.so.2,
+# linked as a shared library; at run time torch has already loaded that libnccl.so.2. A HOROVOD_NCCL_HOME you set
+# (a site's NCCL module) is used as it is.
+nccl_lookup() {  # SITE_PACKAGES SCRATCH: exports HOROVOD_NCCL_HOME, _INCLUDE, _LIB and _LINK
+  local site scratch=$2 nccl lib
+  site=$(cd "$1" && pwd)
+  if [[ -n ${HOROVOD_NCCL_HOME:-} ]]; then
+    export HOROVOD_NCCL_INCLUDE=${HOROVOD_NCCL_INCLUDE:-$HOROVOD_NCCL_HOME/include}
+    export HOROVOD_NCCL_LIB=${HOROVOD_NCCL_LIB:-$HOROVOD_NCCL_HOME/lib} HOROVOD_NCCL_LINK=${HOROVOD_NCCL_LINK:-SHARED}
+    return
+  fi
+  nccl=$(dirname "$(dirname "$(ls "$site"/nvidia/nccl/include/nccl.h "$site"/nvidia/cu1*/include/nccl.h \
+    2>/dev/null | head -n 1)")")
+  [[ -f $nccl/include/nccl.h ]] || die "no NCCL in $site/nvidia (pip's nvidia-nccl package); set HOROVOD_NCCL_HOME"
+  lib=$(ls "$nccl"/lib/libnccl.so.* 2>/dev/null | sort -V | tail -n 1)
+  [[ -n $lib ]] || die "$nccl/lib has no libnccl.so.*; set HOROVOD_NCCL_HOME to an NCCL with lib/libnccl.so"
+  mkdir -p "$scratch/lib"
+  ln -sfn "$nccl/include" "$scratch/include"
+  ln -sf "$lib" "$scratch/lib/libnccl.so"
+  export HOROVOD_NCCL_HOME=$scratch HOROVOD_NCCL_INCLUDE=$scratch/include HOROVOD_NCCL_LIB=$scratch/lib
+  export HOROVOD_NCCL_LINK=SHARED
+}
+if [[ ${1:-} == --nccl-lookup ]]; then  # scripts/install_horovod.sh --nccl-lookup SITE_PACKAGES SCRATCH (tests)
+  nccl_lookup "$2" "$3"
+  env | grep '^HOROVOD_NCCL_' | sort
+  exit 0
+fi
 
 PY=${1:-.venv/bin/python}
 HOROVOD_VERSION=${HOROVOD_VERSION:-0.28.1}
 GPU_OPS=${HOROVOD_GPU_OPERATIONS:-}
 CACHE=${TUTORIAL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tutorial-workbook}/horovod
-say() { echo "install_horovod: $*"; }
-die() { echo "install_horovod: error: $*" >&2; exit 1; }
 
 case "$GPU_OPS" in
   ""|NCCL) ;;
@@ -90,7 +120,8 @@ if [[ -z $wheel ]]; then
   if [[ $GPU_OPS == NCCL ]]; then
     [[ $TORCH_CUDA != none ]] || die "HOROVOD_GPU_OPERATIONS=NCCL needs a CUDA build of torch"
     export HOROVOD_GPU_OPERATIONS=NCCL
-    export HOROVOD_NCCL_HOME=${HOROVOD_NCCL_HOME:-$SITE/nvidia/nccl}
+    nccl_lookup "$SITE" "$work/nccl"
+    say "NCCL: $HOROVOD_NCCL_LIB/libnccl.so, $HOROVOD_NCCL_INCLUDE/nccl.h ($HOROVOD_NCCL_LINK)"
   else
     unset HOROVOD_GPU_OPERATIONS
   fi
