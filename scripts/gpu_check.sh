@@ -3,7 +3,8 @@
 # --list --stage N shows its checks and their estimates). With the project's venv (after `make install`) it uses
 # that. On an offline GPU node with only its own Python and torch it uses that Python ($PYTHON, default python3) and
 # installs the wheels `make gpu-bundle` made ($WHEELS, default .whl/) over it into a scratch folder, without a
-# network (once: a second stage reuses the folder); the package itself is used from src/. Says which torch it found.
+# network (once: a second stage reuses the folder); the package itself is used from src/. The driver says which
+# torch it found.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -x ${VENV:-.venv}/bin/python ]]; then
@@ -50,7 +51,4 @@ PY
   fi
   export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 fi
-"$py" -c 'import os, sys, torch; print(f"gpu-check: torch {torch.__version__} (CUDA {torch.version.cuda}, "
-  f"{torch.cuda.device_count()} GPU(s) visible) from {os.path.dirname(os.path.dirname(torch.__file__))}, "
-  f"Python {sys.version.split()[0]} ({sys.executable})")'
 exec "$py" -m tutorial.bench.gpucheck "$@"

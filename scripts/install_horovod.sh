@@ -28,7 +28,7 @@ nccl_lookup() {  # SITE_PACKAGES SCRATCH: exports HOROVOD_NCCL_HOME, _INCLUDE, _
   nccl=$(dirname "$(dirname "$(ls "$site"/nvidia/nccl/include/nccl.h "$site"/nvidia/cu1*/include/nccl.h \
     2>/dev/null | head -n 1)")")
   [[ -f $nccl/include/nccl.h ]] || die "no NCCL in $site/nvidia (pip's nvidia-nccl package); set HOROVOD_NCCL_HOME"
-  lib=$(ls "$nccl"/lib/libnccl.so.* 2>/dev/null | sort -V | tail -n 1)
+  lib=$(ls "$nccl"/lib/libnccl.so.* 2>/dev/null | sort -V | tail -n 1 || true)
   [[ -n $lib ]] || die "$nccl/lib has no libnccl.so.*; set HOROVOD_NCCL_HOME to an NCCL with lib/libnccl.so"
   mkdir -p "$scratch/lib"
   ln -sfn "$nccl/include" "$scratch/include"

@@ -1,79 +1,270 @@
-"""`make gpu-check` on a machine without a GPU: it says so in one line, lists what it would run on one, and the
-refusal it expects from NCCL on a shared GPU is real (the trainer refuses before touching a GPU)."""
+"""`make gpu-check` as far as a machine without a GPU can take it: the stages fit 8 minutes by their estimates, the
+bundle for an offline node is pinned and small, Horovod's NCCL lookup finds pip's NCCL, every claim a check makes can
+fail, and a CPU rehearsal of the stage driver (make test) installs a bundle over this torch, records JSON lines, kills
+a hung check with its children, records a skip, and fails a check that passes on its exit code alone."""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
 import subprocess
+import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import PYTHON, ROOT, env
 
 from tutorial.bench import gpucheck
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run make gpu-check itself")
+BUNDLE_LIST = ROOT / "scripts" / "gpu_bundle.txt"
+MiB = 1024 * 1024
 
 
+def _cli(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "tutorial.bench.gpucheck", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout, env=env())
+
+
+# ------------------------------------------------------------------------------------------------ the stages
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: make gpu-check runs instead of refusing")
 def test_without_a_gpu_it_says_so_in_one_line():
-    proc = subprocess.run(["make", "-s", "gpu-check"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(["make", "-s", "gpu-check", "RESULTS=/nonexistent-results"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and errors == [errors[0]] and "no CUDA GPU is visible" in errors[0]
 
 
-def test_it_lists_every_trainer_precision_nccl_horovod_notebooks_and_resnet50():
-    out = subprocess.run([PYTHON, "-m", "tutorial.bench.gpucheck", "--list"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=300, env=env()).stdout
-    names = [line.split()[0] for line in out.splitlines()]
-    for stage in ("single", "dp"):
-        assert {f"{stage}-{p}" for p in ("fp32", "bf16", "fp16")} <= set(names)
-    assert "single-compile" in names and "ddp-nccl-1-bf16" in names
-    assert "ddp-gloo-2-ranks-on-1-gpus" in names and "ddp-nccl-shared-gpu-refused" in names
-    assert "horovod-nccl-1" in names and "resnet50-bf16-channels-last-trainer" in names
-    for stage in ("fsdp", "deepspeed", "lightning"):  # every trainer, not only those DDP derives from
-        assert {f"{stage}-1gpu-{p}" for p in ("fp32", "bf16")} <= set(names)
-    assert not {n for n in names if n.startswith(("tp-", "pp-", "2d-"))}  # one GPU: no NCCL model parallel
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_every_stage_fits_8_minutes_by_its_estimates_and_every_check_has_one_stage(gpus, tmp_path):
+    checks = gpucheck.plan(gpus, tmp_path)
+    names = [c.name for c in checks]
+    assert len(names) == len(set(names))
+    for stage in gpucheck.STAGES:
+        todo = [c for c in checks if c.stage in (0, stage)]
+        total = gpucheck.SETUP_SECONDS + sum(c.estimate for c in todo)
+        assert total <= gpucheck.STAGE_SECONDS, f"stage {stage} on {gpus} GPU(s): {total} s"
+        assert todo[0].name == "probe" and all(c.estimate > 0 and c.timeout > 0 for c in todo)
+    assert {c.stage for c in checks} == {0, *gpucheck.STAGES}
+    # every notebook, once, under the allocation of this node (one GPU, or all of them)
+    label = f"{min(gpus, 8)}gpu" if gpus >= 2 else "1gpu"
     notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
-    # here (no GPU) it lists a one-GPU node: every notebook under the one-GPU allocation
-    assert [n for n in names if n.startswith("notebook-")] == [f"notebook-{nb}-1gpu" for nb in notebooks]
+    assert sorted(n for n in names if n.startswith("notebook-")) == [f"notebook-{nb}-{label}" for nb in notebooks]
 
 
-def _listed(*args) -> list[str]:
-    proc = subprocess.run([PYTHON, "-m", "tutorial.bench.gpucheck", "--list", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, env=env())
+def test_stage_1_is_the_probe_the_core_paths_and_the_core_day_notebooks(tmp_path):
+    stage1 = [c.name for c in gpucheck.plan(1, tmp_path) if c.stage in (0, 1)]
+    assert stage1 == ["probe", "single-bf16-channels-last", "single-fp16", "ddp-nccl-1-bf16",
+                      "ddp-gloo-2-ranks-on-1-gpus", "ddp-nccl-shared-gpu-refused", "fsdp-1gpu-bf16",
+                      "deepspeed-1gpu-bf16", "lightning-1gpu-bf16", "dp-bf16-channels-last",
+                      "resnet50-bf16-channels-last-trainer", "notebook-01_single_device-1gpu",
+                      "notebook-03a_ddp_by_hand-1gpu", "notebook-03b_ddp_trainer-1gpu"]
+
+
+def test_the_later_stages_hold_compile_fp16_sync_bn_the_bare_loop_model_parallel_and_horovod(tmp_path):
+    one = {c.name: c for c in gpucheck.plan(1, tmp_path)}
+    eight = {c.name: c for c in gpucheck.plan(8, tmp_path)}
+    assert {"single-compile", "ddp-nccl-1-compile", "resnet50-trainer-vs-bare-loop", "horovod-nccl-1"} <= set(one)
+    for stage in ("ddp-nccl-1", "fsdp-1gpu", "deepspeed-1gpu", "lightning-1gpu"):  # fp16 where a trainer takes it
+        assert one[f"{stage}-fp16"].stage == 2
+    assert not {n for n in one if "sync-bn" in n or n.startswith(("tp-", "pp-", "2d-"))}  # need a GPU per rank
+    assert eight["ddp-nccl-8-sync-bn"].stage == 2 and {"tp-nccl-2", "pp-nccl-2", "2d-nccl-4"} <= set(eight)
+    assert eight["ddp-nccl-8-bf16"].world == 8 and eight["ddp-gloo-2-ranks-on-1-gpus"].visible == "0"
+    assert eight["notebook-03b_ddp_trainer-8gpu"].visible == "0,1,2,3,4,5,6,7"
+
+
+def test_list_prints_the_estimates_and_their_sum():
+    proc = _cli("--list", "--stage", "1", "--gpus", "1")
     assert proc.returncode == 0, proc.stderr
-    return [line.split()[0] for line in proc.stdout.splitlines()]
-
-
-def test_an_8_gpu_node_adds_nccl_runs_of_every_trainer_and_the_notebooks_on_all_gpus():
-    names = _listed("--gpus", "8")
-    for stage in ("fsdp", "deepspeed", "lightning"):
-        assert {f"{stage}-{n}-{p}" for n in ("1gpu", "nccl-8") for p in ("fp32", "bf16")} <= set(names)
-    assert "ddp-nccl-8-bf16" in names and "ddp-gloo-9-ranks-on-8-gpus" in names
-    assert {"tp-nccl-2", "pp-nccl-2", "2d-nccl-4"} <= set(names)  # model parallel (11) where a GPU per rank exists
-    notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
-    assert {f"notebook-{nb}-{a}" for nb in notebooks for a in ("1gpu", "8gpu")} <= set(names)
+    lines = proc.stdout.splitlines()
+    listed = [float(line.split()[1]) for line in lines[2:-1]]
+    total = float(lines[-1].split()[2])
+    assert total == pytest.approx(gpucheck.SETUP_SECONDS + sum(listed), abs=1) and total <= 480
+    assert "estimate" in lines[0] and "H100" in lines[0]
 
 
 def test_only_selects_by_name_prefix_and_a_bad_selection_is_one_line():
-    assert _listed("--gpus", "2", "--only", "deepspeed,notebook-07") == [
-        "deepspeed-1gpu-fp32", "deepspeed-nccl-2-fp32", "deepspeed-1gpu-bf16", "deepspeed-nccl-2-bf16",
-        "notebook-07_scaling_study-1gpu", "notebook-07_scaling_study-2gpu"]
-    for bad in (["--only", "nosuch"], ["--gpus", "-1"]):
-        proc = subprocess.run([PYTHON, "-m", "tutorial.bench.gpucheck", "--list", *bad], capture_output=True,
-                              text=True, cwd=ROOT, timeout=300, env=env())
+    proc = _cli("--list", "--gpus", "2", "--only", "deepspeed-nccl,notebook-07")
+    names = [line.split()[0] for line in proc.stdout.splitlines()[2:-1]]
+    assert names == ["deepspeed-nccl-2-bf16", "deepspeed-nccl-2-fp16", "notebook-07_scaling_study-2gpu",
+                     "deepspeed-nccl-2-fp32"]  # in priority order, across stages
+    for bad in (["--only", "nosuch"], ["--gpus", "-1"], ["--stage", "9"]):
+        proc = _cli("--list", *bad)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def test_each_notebook_run_sees_only_its_allocations_gpus(tmp_path):
-    runs = gpucheck.notebook_checks(tmp_path, ["4", "5", "6"])
-    seen = {c["name"].rsplit("-", 1)[1]: c["visible"] for c in runs}
-    assert seen == {"1gpu": "4", "3gpu": "4,5,6"}
+def test_a_check_the_stage_budget_cannot_fit_is_a_recorded_skip(tmp_path):
+    proc = _cli("--rehearse", "--only", "probe", "--budget", "5", "--results-dir", str(tmp_path))
+    line = json.loads((tmp_path / "gpu_check.jsonl").read_text())
+    assert proc.returncode == 0 and line["results"]["status"] == "skip"
+    assert "not started" in line["results"]["skipped"] and "seconds" not in line["results"]
 
 
-def test_the_expected_nccl_refusal_is_a_one_line_error(tmp_path):
-    check = next(c for c in gpucheck.checks(1, tmp_path) if c["name"] == "ddp-nccl-shared-gpu-refused")
-    command = check["command"]  # with the smoke preset instead of the workshop's: quick on a CPU
-    check["command"] = [a for a in command if a not in ("--preset", "--generated", "5000")]
-    check["command"] = ["--preset=smoke" if a == "workshop" else a for a in check["command"]]
-    result = gpucheck.run_check(check, timeout=240, env=dict(env(), OMP_NUM_THREADS="1"))
-    assert result["ok"], result["tail"]
-    assert result["exit_code"] not in (0, None)
+# ------------------------------------------------------------------------------------------------ the claims
+GOOD = dict(device="cuda:0", world_size=2, replicas_identical=True, replica_checksums=["x", "x"], test_accuracy=0.9,
+            epochs=[dict(train_loss=2.2, test_loss=2.0, samples_per_second=900.0),
+                    dict(train_loss=1.1, test_loss=1.0, samples_per_second=1000.0)])
+
+
+def _claims(metrics, code=0, **check):
+    c = gpucheck.Check(name="t", stage=1, command=["x"], estimate=1, claims=gpucheck.TRAINER_CLAIMS, world=2,
+                       min_accuracy=0.85, **check)
+    return gpucheck.verify(c, code, "", metrics)[0]
+
+
+@pytest.mark.parametrize("change, complaint", [
+    (dict(replicas_identical=False), "replicas differ"),
+    (dict(replica_checksums=["x", "y"]), "replicas differ"),
+    (dict(replica_checksums=["x"]), "replicas differ"),   # only one rank checked
+    (dict(world_size=1, replica_checksums=["x"]), "world size 1"),
+    (dict(device="cpu"), "ran on 'cpu'"),
+    (dict(test_accuracy=0.5), "below the preset's 0.85"),
+    (dict(epochs=[dict(GOOD["epochs"][0]), dict(GOOD["epochs"][1], train_loss=2.5)]), "did not fall"),
+    (dict(epochs=[dict(GOOD["epochs"][0])]), "did not fall"),  # one epoch cannot show it
+    (dict(epochs=[dict(GOOD["epochs"][0], train_loss=float("nan")), GOOD["epochs"][1]]), "not finite"),
+    (dict(epochs=[GOOD["epochs"][0], dict(GOOD["epochs"][1], samples_per_second=None)]), "no throughput"),
+])
+def test_each_claim_fails_when_its_fact_is_wrong(change, complaint):
+    assert _claims(GOOD) == []
+    bad = _claims(dict(GOOD, **change))
+    assert any(complaint in b for b in bad), bad
+
+
+def test_an_exit_code_of_0_without_metrics_fails_and_a_refusal_must_be_one_line_and_train_nothing():
+    assert _claims(None) == ["no metrics.json"] and _claims(GOOD, code=None) == ["timed out"]
+    refusal = gpucheck.Check(name="r", stage=1, command=["x"], estimate=1, claims=("refusal",), expect_error="NCCL")
+    assert gpucheck.verify(refusal, 1, "error: NCCL cannot\nerror: NCCL cannot\n", None)[0] == []
+    assert gpucheck.verify(refusal, 0, "error: NCCL cannot\n", None)[0]            # it exited 0
+    assert gpucheck.verify(refusal, 1, "error: other\n", None)[0]                  # another error
+    assert gpucheck.verify(refusal, 1, "error: NCCL cannot\n", GOOD)[0]            # and it trained anyway
+
+
+def test_the_accuracy_bounds_are_the_notebooks():
+    from tutorial.lessons.notebook import EXPECTED_ACCURACY
+    assert all(EXPECTED_ACCURACY[preset] == bound for preset, bound in gpucheck.ACCURACY_BOUND.items())
+
+
+# ------------------------------------------------------------------------------------------------ the bundle
+def _pins() -> list[tuple[str, str, int]]:
+    pins = []
+    for line in BUNDLE_LIST.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            m = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([0-9][A-Za-z0-9.]*)\s+#\s*(\d+)", line.strip())
+            assert m, f"not `name==version  # bytes`: {line!r}"
+            pins.append((m[1], m[2], int(m[3])))
+    return pins
+
+
+def test_the_bundle_is_pinned_under_60_mib_and_carries_only_what_the_node_lacks():
+    pins = _pins()
+    names = {n.lower().replace("_", "-") for n, _, _ in pins}
+    assert len(names) == len(pins)
+    # the node has these (and what they need); carrying them would only spend the 60 MiB
+    assert not names & {"torch", "torchvision", "triton", "lightning", "numpy", "scipy", "scikit-learn", "matplotlib",
+                        "tensorboard", "psutil", "filelock", "mpi4py", "pillow", "pyyaml", "tqdm", "jinja2"}
+    assert {"ipykernel", "nbclient", "ipyparallel", "py-spy", "deepspeed", "hjson", "pydantic",
+            "ipython-pygments-lexers"} <= names
+    required = {line.split("==")[0].lower(): line.split("==")[1].split()[0]
+                for line in (ROOT / "requirements.txt").read_text().splitlines() if "==" in line}
+    for name, version, _ in pins:  # one version of each package for the venv and the node
+        assert required.get(name.lower(), version) == version, name
+    # The recorded sizes are the cp312 wheels as make gpu-bundle downloaded them; a bundle built here from this very
+    # list (its BUNDLE stamp names the list's hash) is measured instead.
+    recorded = sum(size for _, _, size in pins)
+    assert recorded <= 60 * MiB, f"{recorded / MiB:.1f} MiB"
+    built = ROOT / ".whl"
+    stamp = built / "BUNDLE"
+    if stamp.exists() and stamp.read_text().split()[0] == hashlib.sha256(BUNDLE_LIST.read_bytes()).hexdigest()[:16]:
+        wheels = list(built.glob("*.whl"))
+        assert len(wheels) == len(pins) and sum(w.stat().st_size for w in wheels) <= 60 * MiB
+
+
+def _bundle_for_this_python() -> Path:
+    """The pinned list's wheels for this Python (the node's is 3.12), built once and cached, as make gpu-bundle does."""
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    folder = Path.home() / ".cache" / "tutorial-workbook" / f"gpu-bundle-py{version}"
+    proc = subprocess.run(["bash", "scripts/gpu_bundle.sh"], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env=dict(env(), WHEELS=str(folder), GPU_PYTHON_VERSION=version, BUILD_PYTHON=PYTHON))
+    assert proc.returncode == 0 and "MiB of at most 60" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    return folder
+
+
+# ------------------------------------------------------------------------------------------ Horovod's NCCL
+def test_horovod_finds_pips_nccl_through_a_folder_with_libnccl_so(tmp_path):
+    nccl = tmp_path / "site" / "nvidia" / "nccl"
+    (nccl / "include").mkdir(parents=True)
+    (nccl / "lib").mkdir()
+    (nccl / "include" / "nccl.h").write_text("/* nccl */\n")
+    (nccl / "lib" / "libnccl.so.2").write_text("")
+    proc = subprocess.run(["bash", "scripts/install_horovod.sh", "--nccl-lookup", str(tmp_path / "site"),
+                           str(tmp_path / "scratch")], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    found = dict(line.split("=", 1) for line in proc.stdout.splitlines())
+    assert proc.returncode == 0, proc.stderr
+    assert found["HOROVOD_NCCL_LINK"] == "SHARED" and found["HOROVOD_NCCL_HOME"] == str(tmp_path / "scratch")
+    lib, include = Path(found["HOROVOD_NCCL_LIB"]), Path(found["HOROVOD_NCCL_INCLUDE"])
+    assert (lib / "libnccl.so").resolve() == (nccl / "lib" / "libnccl.so.2").resolve()  # what FindNCCL looks for
+    assert (include / "nccl.h").read_text() == "/* nccl */\n"
+    (nccl / "lib" / "libnccl.so.2").unlink()  # negative control: no library, one error line
+    proc = subprocess.run(["bash", "scripts/install_horovod.sh", "--nccl-lookup", str(tmp_path / "site"),
+                           str(tmp_path / "scratch2")], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode != 0 and "no libnccl.so" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------ the CPU rehearsal
+REHEARSED = ["probe", "single-bf16-channels-last", "ddp-gloo-2-ranks-on-1-gpus", "ddp-nccl-shared-gpu-refused",
+             "control-hang", "control-missing-program", "control-exit-code-only", "control-failing-notebook"]
+
+
+def _leftovers(marker: str) -> list[int]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if any(marker in part for part in (p.info["cmdline"] or [])):
+            found.append(p.pid)
+    return found
+
+
+def test_the_cpu_rehearsal_of_stage_1(tmp_path):
+    """Stage 1's driver through scripts/gpu_check.sh as on an offline node (no venv: this Python plus the bundle in a
+    scratch folder), on the CPU with the smoke preset: a subset of stage 1 (the probe, a single-process trainer, two
+    ranks sharing a device over gloo, NCCL's refusal) and the negative controls. The rest of stage 1 runs the same
+    driver on the same code paths; the CPU lane of make test executes the notebooks."""
+    wheels = _bundle_for_this_python()
+    results = tmp_path / "results"
+    start = time.monotonic()
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--stage", "1", "--rehearse", "--only", ",".join(REHEARSED),
+                           "--results-dir", str(results)], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env=dict(env(), VENV=str(tmp_path / "no-venv"), PYTHON=PYTHON, WHEELS=str(wheels),
+                                   TMPDIR=str(tmp_path)))
+    seconds = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out  # the controls fail, so the stage does
+    assert re.search(r"gpu-check: \d+ wheels from .* installed into", out), out
+    assert f"gpu-check stage 1: torch {torch.__version__}" in out  # it says which torch it found
+    lines = [json.loads(x) for x in (results / "gpu_check.jsonl").read_text().splitlines()]
+    got = {line["results"]["check"]: line["results"] for line in lines}
+    assert list(got) == REHEARSED, out  # one line per check, in order, as each ended
+    assert all(line["hardware"]["cores"] and line["versions"]["torch"] and line["date"] for line in lines)
+    for name in REHEARSED[:4]:
+        assert got[name]["status"] == "pass", (name, got[name])
+    # the packages came from the bundle, not from this venv
+    packages = got["probe"]["probe"]["packages"]
+    assert all(str(tmp_path) in packages[p] for p in ("ipykernel", "nbclient", "ipyparallel", "deepspeed")), packages
+    trained = got["ddp-gloo-2-ranks-on-1-gpus"]
+    assert trained["world_size"] == 2 and trained["replicas_identical"] is True
+    assert trained["train_losses"][-1] < trained["train_losses"][0] and trained["test_accuracy"] >= 0.95
+    hang = got["control-hang"]
+    assert hang["status"] == "FAIL" and hang["timed_out"] and hang["seconds"] < 15
+    assert not _leftovers("gpucheck-control-orphan") and not _leftovers("gpucheck-control-hang")
+    assert got["control-missing-program"]["status"] == "skip"
+    assert "gpucheck-no-such-program is not installed" in got["control-missing-program"]["skipped"]
+    fake = got["control-exit-code-only"]
+    assert fake["status"] == "FAIL" and fake["exit_code"] == 0 and "replicas differ" in fake["failed_claims"][0]
+    notebook = got["control-failing-notebook"]
+    kept = [Path(p) for p in notebook["kept"] if p.endswith(".ipynb")]
+    assert notebook["status"] == "FAIL" and kept and str(results) in str(kept[0])
+    assert "control: the claim fails" in kept[0].read_text()  # the executed notebook, its error included
+    print(f"rehearsal: {seconds:.0f} s")
+    assert os.environ.get("CI") != "true" or seconds < 180

@@ -242,7 +242,8 @@ def verify(check: Check, code: int | None, output: str, metrics: dict | None) ->
         facts.update(device=metrics.get("device"), world_size=metrics.get("world_size"),
                      replicas_identical=metrics.get("replicas_identical"), train_losses=losses,
                      test_accuracy=metrics.get("test_accuracy"))
-    facts["samples_per_second"] = epochs[-1].get("samples_per_second") if epochs else None
+    if epochs:
+        facts["samples_per_second"] = epochs[-1].get("samples_per_second")
     if "device" in check.claims and not str(metrics.get("device", "")).startswith(check.device):
         bad.append(f"ran on {metrics.get('device')!r}, not {check.device}")
     if "replicas" in check.claims or "world" in check.claims:
@@ -264,8 +265,8 @@ def verify(check: Check, code: int | None, output: str, metrics: dict | None) ->
         if not (_finite(metrics.get("test_accuracy")) and metrics["test_accuracy"] >= check.min_accuracy):
             bad.append(f"test accuracy {metrics.get('test_accuracy')} below the preset's {check.min_accuracy}")
     if "throughput" in check.claims:
-        if not (_finite(facts["samples_per_second"]) and facts["samples_per_second"] > 0):
-            bad.append(f"no throughput recorded: {facts['samples_per_second']}")
+        if not (_finite(facts.get("samples_per_second")) and facts["samples_per_second"] > 0):
+            bad.append(f"no throughput recorded: {facts.get('samples_per_second')}")
     if "overhead" in check.claims:
         lines = [json.loads(x) for x in _read(Path(check.out) / "overhead.jsonl").splitlines() if x.strip()]
         ratios = [line["results"]["ratio"]["median"] for line in lines
@@ -512,7 +513,10 @@ def main(argv=None) -> int:
 
 
 def run_stage(todo: list[Check], args, gpus: int, out: Path, argv) -> int:
+    import torch
     from .record import append_result
+    print(f"gpu-check stage {args.stage}: torch {torch.__version__} (CUDA {torch.version.cuda}, {gpus} GPU(s)) from "
+          f"{Path(torch.__file__).parents[1]}, Python {sys.version.split()[0]} ({PY})", flush=True)
     _become_subreaper()
     if any(c.name == "control-failing-notebook" for c in todo):
         _write_failing_notebook(out / "control-failing.ipynb")
