@@ -93,15 +93,33 @@ def skeleton(notebook: str, heading: str, name: str | None = None):
     return next(v for k, v in namespace.items() if callable(v) and not k.startswith("__"))
 
 
+@pytest.fixture(scope="session")
+def session_engines():
+    """Two local notebook engines for the whole test session: a start costs seconds on 2 cores, and a dozen modules
+    need just 2 local engines. Their tag is outside this process's (processes.TAG), so the modules that check that
+    they left nothing running do not see them; this fixture checks them when the session ends."""
+    from tutorial.launch import engines, processes
+    tag = f"tests-engines-{os.getpid()}-{os.urandom(4).hex()}"
+    own_tag, processes.new_tag = processes.new_tag, lambda: tag
+    try:
+        c = engines.start(n=2, show=False, name="tests")
+    finally:
+        processes.new_tag = own_tag
+    yield c
+    c.stop()
+    assert c.leftovers() == [] and processes.leftovers(tag) == []
+
+
 @pytest.fixture(scope="module")
-def cluster():
-    """Two local notebook engines, shared by a test module (a start costs seconds on 2 cores): exercise checkers
-    that run code on ranks (each makes and leaves its own process group) and trainers run through `cluster.run`.
-    Per module, not per session: later modules check that nothing is left, and so does this fixture."""
-    from tutorial.launch import engines
-    with engines.start(n=2, show=False) as c:
-        yield c
-    assert c.leftovers() == []
+def cluster(session_engines):
+    """conftest's two local engines: exercise checkers that run code on ranks (each makes and leaves its own process
+    group) and trainers run through `cluster.run`. Shared by the session; a module gets them as the previous one left
+    them, restarted (fresh processes, same cluster) when that one broke them."""
+    c = session_engines
+    assert not c._stopped, "a test stopped the session's engines; tests that stop engines start their own"
+    if not c._healthy():
+        c.restart()
+    yield c
 
 
 @pytest.fixture

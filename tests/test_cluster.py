@@ -21,7 +21,7 @@ from conftest import needs_horovod, needs_mpi
 
 from tutorial.core.config import TrainConfig
 from tutorial.launch import processes
-from tutorial.launch.engines import ClusterError, EngineTimeout, RankError
+from tutorial.launch.engines import STOP_GRACE_S, ClusterError, EngineTimeout, RankError
 
 
 def leftovers(tag: str = processes.TAG) -> set[str]:
@@ -91,8 +91,9 @@ def helpers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local(helpers, cluster):
-    """conftest's two local engines (stopped, and checked for leftovers, after this file), started once `helpers`
-    has put the helpers' folder on their PYTHONPATH."""
+    """conftest's two local engines (the session's; stopped, and checked for leftovers, when it ends), with the
+    helpers' folder on their sys.path (engines restarted here inherit the PYTHONPATH that `helpers` set)."""
+    cluster.view.execute(f"import sys; sys.path.insert(0, {os.path.dirname(helpers.__file__)!r})")
     return cluster
 
 
@@ -350,3 +351,143 @@ def test_batch_recipes_render_for_ipyparallel(kind, launcher_class, expected, tm
     assert engines.get_env()["IPP_CLUSTER_ID"] == "c1" and ("#PBS -V" in script or "--export=ALL" in script)
     for line in expected:
         assert line in script
+
+
+# ------------------------------------------------------------- the lab as attendees use it: a real kernel
+class Kernel:
+    """A notebook kernel driven the way JupyterLab drives it (jupyter_client): cells one by one, Interrupt
+    (km.interrupt_kernel, SIGINT to the kernel) and Restart (km.restart_kernel). Its clusters carry `tag`."""
+
+    def __init__(self, tag: str, cwd):
+        from jupyter_client import KernelManager
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(env=dict(os.environ, **{processes.TAG_VARIABLE: tag}), cwd=str(cwd))
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=90)
+
+    def send(self, code: str) -> str:
+        return self.kc.execute(code)
+
+    def outputs(self, msg_id: str, timeout: float = 180, until=None) -> tuple[str, dict]:
+        """The cell's text (streams, results, errors) until it is done, or until `until(text)` holds: then (text,
+        {}). Otherwise (text, its execute_reply content)."""
+        text, deadline = "", time.monotonic() + timeout
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                text += content["text"]
+            elif kind in ("execute_result", "display_data"):
+                text += content["data"].get("text/plain", "") + "\n"
+            elif kind == "error":
+                text += f"{content['ename']}: {content['evalue']}\n"
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+            if until is not None and until(text):
+                return text, {}
+        reply = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
+        assert reply["parent_header"]["msg_id"] == msg_id
+        return text, reply["content"]
+
+    def run(self, code: str, timeout: float = 180) -> str:
+        text, reply = self.outputs(self.send(code), timeout)
+        assert reply["status"] == "ok", f"{code}\n-> {text}"
+        return text
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        if self.km.has_kernel:
+            self.km.shutdown_kernel(now=True)
+
+
+def cluster_pids(tag: str) -> set[int]:
+    return {int(line.split()[0]) for line in leftovers(tag)}
+
+
+def test_interrupt_stops_the_engines_run_at_a_step_and_the_next_cell_runs_at_once(tmp_path):
+    """Interrupt during cluster.run (JupyterLab's Interrupt: SIGINT to the kernel) stops the training on the engines
+    as a SIGTERM does, every rank at the same step, the checkpoint whole; one line says so, and the next cell starts
+    at once on the same engines. Under %%px, ipyparallel's magic interrupts the engines itself. Before this, the
+    engines went on training and the next cell waited for the abandoned run (69 s in issue 29)."""
+    tag, out = processes.new_tag(), tmp_path / "run"
+    kernel = Kernel(tag, tmp_path)
+    try:
+        kernel.run("import time\nimport tutorial.launch.engines as engines, tutorial.train_ddp as train_ddp\n"
+                   "from tutorial.core.config import TrainConfig\ncluster = engines.start(n=2, show=False)\n"
+                   "pids = [e.pid for e in cluster.engines]")
+        running = kernel.send(f"cluster.run(train_ddp.main, TrainConfig.preset('smoke', epochs=400, out={str(out)!r}))")
+        kernel.outputs(running, timeout=120, until=lambda text: "epoch 1:" in text)  # training for minutes
+        interrupted = time.time()
+        kernel.km.interrupt_kernel()
+        text, reply = kernel.outputs(running, timeout=60)
+        replied = time.time() - interrupted
+        assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", text
+        line = reply["evalue"]
+        assert "\n" not in line and "train_ddp.main stopped on all 2 ranks at step " in line, line
+        assert "the engines are ready for the next cell" in line and str(out) in line
+        step = int(line.split(" at step ")[1].split(",")[0])
+        # Nothing half-written: the checkpoint rank 0 saved at the agreed step, and no partial file beside it.
+        assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint.pt"]
+        import torch
+        saved = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
+        assert saved["step"] == step
+        # The next cell: the same engines go on from the checkpoint to the end of that epoch, replicas identical.
+        text = kernel.run(f"started = time.time()\nm = cluster.run(train_ddp.main, TrainConfig.preset('smoke', "
+                          f"epochs={saved['epoch'] + 1}, out={str(out)!r}, resume='auto', quiet=True))\n"
+                          "print('NEXT', started, m['replicas_identical'], m['steps'], "
+                          "[e.pid for e in cluster.engines] == pids)", timeout=120)
+        started, identical, steps, same_engines = text.split("NEXT ")[1].split()
+        next_cell_after = float(started) - interrupted
+        print(f"interrupt -> reply {replied:.1f} s, -> next cell's start {next_cell_after:.1f} s")
+        assert replied < STOP_GRACE_S and next_cell_after < STOP_GRACE_S + 2
+        assert identical == "True" and int(steps) > step and same_engines == "True"
+        # %%px: ipyparallel's magic sends SIGINT to the engines; the cell's code stops where it is.
+        sleeping = kernel.send("%%px\nimport time\ntime.sleep(300)")
+        time.sleep(3)
+        interrupted = time.time()
+        kernel.km.interrupt_kernel()
+        text, _ = kernel.outputs(sleeping, timeout=60)
+        assert "Sending signal SIGINT to engines" in text, text
+        text = kernel.run("print('NEXT', time.time())\n%px import os; os.getpid()", timeout=60)
+        assert float(text.split("NEXT ")[1].split()[0]) - interrupted < 10
+        kernel.run("cluster.stop()")
+        assert_nothing_left(tag)
+    finally:
+        kernel.close()
+    assert_nothing_left(tag, wait=20)
+
+
+def test_starting_engines_twice_reuses_or_replaces_and_a_restart_leaves_nothing(tmp_path):
+    """Re-running the engines cell: the same request reuses the running cluster, another stops it first (one line
+    each; before, every run added a controller and engines: 10 processes, then 20). A cluster asked for by name runs
+    beside it. Restarting the kernel (JupyterLab's Restart) leaves no process within a bounded time."""
+    tag = processes.new_tag()
+    kernel = Kernel(tag, tmp_path)
+    try:
+        kernel.run("import tutorial.launch.engines as engines\nc1 = engines.start(n=2, show=False)")
+        first = cluster_pids(tag)
+        assert len(first) >= 5  # controller, 2 engines (and their nannies), the reaper
+        text = kernel.run("c2 = engines.start(n=2, show=False)\nprint(c2 is c1)")
+        assert text.count("\n") == 2 and "reusing the 2 local engine(s)" in text and text.endswith("True\n"), text
+        assert cluster_pids(tag) == first
+        text = kernel.run("c3 = engines.start(n=2, show=False, on_failure='stop')\nprint(c1.leftovers())")
+        assert "stopped the 2 local engine(s) this kernel started before" in text and text.endswith("[]\n"), text
+        deadline = time.monotonic() + 10
+        while cluster_pids(tag) & first and time.monotonic() < deadline:
+            time.sleep(0.2)
+        second = cluster_pids(tag)
+        assert not second & first and len(second) == len(first)
+        text = kernel.run("c4 = engines.start(n=1, show=False, name='beside')")
+        assert text == "" and cluster_pids(tag) > second  # a named cluster runs beside the kernel's one
+        start = time.monotonic()
+        kernel.km.restart_kernel(now=False)
+        assert_nothing_left(tag, wait=30)
+        print(f"restart -> nothing left after {time.monotonic() - start:.1f} s")
+        kernel.kc.wait_for_ready(timeout=90)
+        assert kernel.run("print(1 + 1)") == "2\n"  # the restarted kernel works
+    finally:
+        kernel.close()
+    assert_nothing_left(tag)

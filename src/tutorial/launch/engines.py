@@ -9,6 +9,16 @@ is what a training run needs: ranks (the MPI rank for engines started by mpiexec
 engine (so `world_from_env()` needs no engine-specific code), a fair share of the cores, one GPU per engine, a fresh
 MASTER_PORT for every run (a second rendezvous on the port of the previous one hangs), output that stays the same
 between runs (strict nbval), errors that name the rank, and no process left behind, even by a killed kernel.
+
+Attendees press Interrupt, re-run cells and restart kernels, so:
+- Interrupt (a KeyboardInterrupt in the kernel) during `cluster.run` stops the engines' work too: the engines get
+  SIGINT, which a run takes as the trainers take a SIGTERM (every rank stops at the same step, the checkpoint is
+  saved whole); what does not stop within STOP_GRACE_S gets a KeyboardInterrupt on the engines, and what still does
+  not return is restarted. One line (the KeyboardInterrupt's message) says which. During a `%%px` cell, ipyparallel's
+  magic sends SIGINT to the engines itself: the cell's code gets a KeyboardInterrupt where it is (no agreed step).
+- A second start() in the same kernel reuses the running cluster when asked for the same thing, and otherwise stops
+  it first, with one line either way: one cluster per kernel, unless others are asked for by `name`.
+- A kernel that is restarted, shut down or killed leaves nothing: the reaper stops the cluster when the kernel goes.
 """
 from __future__ import annotations
 
@@ -18,6 +28,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +38,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from ..core.config import ConfigError
-from ..core.process import free_port, open_mpi_env, threads_per_process
+from ..core.process import Sigterm, Stopped, free_port, open_mpi_env, threads_per_process
 from . import processes
 
 ENGINE_KINDS = ("local", "mpi", "slurm", "pbs")
@@ -41,6 +52,9 @@ NEEDS = {"mpi": ("mpiexec", "apt-get install openmpi-bin, or load an MPI module"
 # How long the other ranks get to finish (or fail) after one rank failed or died before they are replaced: enough for
 # gloo to notice a closed connection, short enough that a rank stuck in a collective does not keep the notebook.
 FAILURE_GRACE_S = 5.0
+# After an Interrupt, how long the ranks get to reach the step where they all agree to stop (the trainers compare
+# every log_every steps, checkpoint.stop_requested) and save; after that they get a KeyboardInterrupt where they are.
+STOP_GRACE_S = 10.0
 ALL_INTERFACES = ("*", "0.0.0.0")
 ANSI_COLOURS = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -113,6 +127,35 @@ def _configure(env: dict, use_cuda: bool) -> tuple[str, str, int]:
 
 def _setenv(values: dict) -> None:
     os.environ.update(values)
+
+
+@dataclass
+class Interrupted:
+    """A rank's outcome when an Interrupt stopped its run at an agreed step (the trainer's Stopped message)."""
+    message: str
+
+
+def _run_interruptibly(fn, args: tuple, kwargs: dict):
+    """On every engine, what run() runs: fn(*args, **kwargs), where the notebook's Interrupt (SIGINT, relayed by the
+    engine's nanny) is a stop request, exactly a SIGTERM's: the flag the trainers look at every log_every steps
+    (core.process.Sigterm, read by checkpoint.stop_requested), so every rank stops at the same step and rank 0 saves
+    whole. A second SIGINT (the run did not stop in time, or fn never looks at the flag) is a KeyboardInterrupt."""
+    def stop_request(signum, frame):
+        if Sigterm.received:
+            raise KeyboardInterrupt
+        Sigterm.received = True
+
+    Sigterm.received = False
+    previous = signal.signal(signal.SIGINT, stop_request)
+    try:
+        return fn(*args, **kwargs)
+    except Stopped as exc:
+        if not Sigterm.received:  # fn's own Stopped, not ours
+            raise
+        return Interrupted(str(exc))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        Sigterm.received = False
 
 
 def visible_gpus() -> list[str]:
@@ -240,7 +283,7 @@ def _config(kind: str, n: int, gpus, mpi_args, launcher: dict, tag: str, timeout
 def start(n: int | None = None, engines: str = "local", *, device: str = "auto", gpus=None, timeout: float = 90.0,
           run_timeout: float = 3600.0, ip: str | None = None, interface: str | None = None, ports=None,
           mpi_args=(), launcher: dict | None = None, on_failure: str = "restart", activate: bool = True,
-          show: bool = True, **ipp_options) -> "Cluster":
+          show: bool = True, name: str = "", **ipp_options) -> "Cluster":
     """Start a controller and n engines, make them ranks 0..n-1, and return the Cluster (00_setup).
 
     n: engines (default: one per visible GPU, else 2). engines: local, mpi (mpiexec; MPI rank = rank), slurm or pbs.
@@ -251,6 +294,8 @@ def start(n: int | None = None, engines: str = "local", *, device: str = "auto",
     reach it). ports: the controller's port pool. mpi_args: extra mpiexec arguments (e.g. a hostfile).
     launcher: options of ipyparallel's engine launcher (queue, account, timelimit, batch_template_file, namespace, ...).
     on_failure: restart or stop the engines after a failed run. activate: enable %%px. show: print the engine table.
+    name: a kernel runs one cluster per name: start() again with the same options reuses the running one, with
+    other options it stops it first (one line says which); give another name to run a second cluster beside it.
     Other keywords go to ipyparallel.Cluster (profile, controller_location, ...).
     """
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # read at import: no progress bar while waiting for engines
@@ -267,6 +312,23 @@ def start(n: int | None = None, engines: str = "local", *, device: str = "auto",
     if program and not shutil.which(program):
         raise ClusterError(f"engines={engines!r} needs {program}, which is not on the PATH: {how}")
     bind, where = _bind_address(engines, ip, interface)
+    request = repr(dict(n=n, engines=engines, device=device, gpus=gpus, timeout=timeout, run_timeout=run_timeout,
+                        ip=ip, interface=interface, ports=ports, mpi_args=list(mpi_args), launcher=launcher,
+                        on_failure=on_failure, activate=activate, options=sorted(ipp_options.items())))
+    earlier = _started.pop(name, None)
+    if earlier is not None and not earlier._stopped:
+        if earlier._request == request and earlier._healthy():
+            _started[name] = earlier
+            print(f"engines: reusing the {earlier.n} {earlier.kind} engine(s) this kernel started with the same "
+                  f"options (cluster.stop() first for new processes)", flush=True)
+            if activate:
+                earlier._activate_magics()
+            if show:
+                print(earlier.table(), flush=True)
+            return earlier
+        earlier.stop()
+        print(f"engines: stopped the {earlier.n} {earlier.kind} engine(s) this kernel started before, to start "
+              f"these (one cluster per kernel; name=... runs another beside it)", flush=True)
     controller_args = ["--ports", _check_ports(ports, bind)] if ports else []
     tag = processes.new_tag()
     ipp_options.setdefault("controller_location", where)
@@ -278,14 +340,19 @@ def start(n: int | None = None, engines: str = "local", *, device: str = "auto",
     cluster = Cluster(ipp_cluster, engines, tag, use_cuda=use_cuda, device=device, timeout=timeout,
                       run_timeout=run_timeout, share_gpus=gpus is not None and 0 < len(gpus) < n,
                       on_failure=on_failure, activate=activate)
+    cluster.name, cluster._request = name, request
     try:
         cluster._start()
     except BaseException:  # KeyboardInterrupt too: never leave half a cluster behind
         cluster.stop()
         raise
+    _started[name] = cluster
     if show:
         print(cluster.table(), flush=True)
     return cluster
+
+
+_started: dict = {}  # name -> the Cluster this process started under that name and has not stopped
 
 
 class Cluster:
@@ -302,6 +369,7 @@ class Cluster:
         self.results: list = []   # the last run's result per rank, in rank order
         self.client = self.view = self._reaper = None
         self._stopped = False
+        self.name, self._request = "", None
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def _start(self) -> None:
@@ -408,6 +476,8 @@ class Cluster:
         if self._stopped:
             return
         self._stopped = True
+        if _started.get(self.name) is self:
+            del _started[self.name]
         try:
             if self.client is not None:
                 self.client.close()
@@ -427,6 +497,17 @@ class Cluster:
         """This cluster's processes on this host that are still running (controller, engines and their nannies,
         mpiexec and its ranks, the reaper): [] once stop() has returned (00_setup, 05_horovod check it)."""
         return [p for p in processes.leftovers(self.tag) if not p["zombie"]]
+
+    def _healthy(self) -> bool:
+        """Every engine still registered and answering (a run in progress would not answer)."""
+        try:
+            ids = [e.engine_id for e in self.engines]
+            if not set(ids) <= set(self.client.ids):
+                return False
+            self.client[ids].apply_async(os.getpid).get(min(10.0, self.timeout))
+            return True
+        except Exception:  # noqa: BLE001 - gone, busy or broken: any of them means start afresh
+            return False
 
     def _require_running(self) -> None:
         if self._stopped:
@@ -469,8 +550,11 @@ class Cluster:
         if fresh:
             self.restart()
         self.new_master_port()
-        self.results = self._collect(self.view.apply_async(fn, *args, **kwargs),
-                                     self.run_timeout if timeout is None else timeout)
+        result = self.view.apply_async(_run_interruptibly, fn, args, kwargs)
+        try:
+            self.results = self._collect(result, self.run_timeout if timeout is None else timeout)
+        except KeyboardInterrupt:  # the notebook's Interrupt: stop the engines' run too, then say what happened
+            raise KeyboardInterrupt(self._interrupt(result, _name(fn))) from None
         return self.results[0]
 
     def _collect(self, result, timeout: float) -> list:
@@ -520,6 +604,41 @@ class Cluster:
         return RankError(f"rank {rank} (engine {e.engine_id}, pid {e.pid} on {e.host}) {what}"
                          + (f"\n({note})" if note else ""), rank, e.host, e.pid, tb)
 
+    def _interrupt(self, result, what: str) -> str:
+        """Stop the run the notebook was interrupted in, on every engine, and return one line saying how: at an agreed
+        step (SIGINT, taken as a SIGTERM), else by a KeyboardInterrupt there (a second SIGINT), else by a restart.
+        Pressing Interrupt again while this waits moves on to the next of these at once."""
+        ids = [e.engine_id for e in self.engines]
+        waited = time.monotonic()
+        for grace in (STOP_GRACE_S, FAILURE_GRACE_S):
+            try:
+                self.client.send_signal("SIGINT", targets=ids, block=True)
+                if result.wait(grace):
+                    break
+            except KeyboardInterrupt:
+                continue
+            except Exception as exc:  # noqa: BLE001 - an engine (or its nanny) is gone: replace them below
+                log.warning("signalling the engines: %r", exc)
+                break
+        if not result.ready():
+            return f"interrupted: {what} did not stop on the engines within {time.monotonic() - waited:.0f} s. " \
+                   + self._recover()
+        outcomes = result.get(return_exceptions=True)
+        self.results = outcomes
+        stopped = [o for o in outcomes if isinstance(o, Interrupted)]
+        if len(stopped) == len(outcomes):
+            steps = sorted({m.group(1) for o in stopped for m in [re.search(r"\(step (\d+)\)", o.message)] if m})
+            saved = re.search(r"saved (.*?) \(step \d+\) in (.+?); ", stopped[0].message)
+            where = f"at step {steps[0]}" if len(steps) == 1 else f"at steps {', '.join(steps)}"
+            return (f"interrupted: {what} stopped on all {len(outcomes)} ranks {where}, as on a SIGTERM"
+                    + (f" ({saved.group(1)} saved in {saved.group(2)})" if saved else "")
+                    + "; the engines are ready for the next cell")
+        if all(not isinstance(o, Exception) for o in outcomes):
+            return f"interrupted: {what} had just finished on every rank (cluster.results holds it); the engines " \
+                   f"are ready for the next cell"
+        return (f"interrupted: {what} got a KeyboardInterrupt on the engines (it did not stop at a step within "
+                f"{STOP_GRACE_S:g} s); the engines are ready for the next cell")
+
     def _recover(self) -> str:
         """Replace the engines, or stop them all; say which."""
         if self.on_failure == "restart":
@@ -543,6 +662,12 @@ def _print_new(metadata, printed: dict) -> None:
             getattr(sys, name).write(text[printed[name]:])
             getattr(sys, name).flush()
             printed[name] = len(text)
+
+
+def _name(fn) -> str:
+    module = getattr(fn, "__module__", "") or ""
+    qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
+    return qualname if module == "__main__" else f"{module.rsplit('.', 1)[-1]}.{qualname}"
 
 
 def _uses_horovod(fn) -> bool:
