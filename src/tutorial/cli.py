@@ -1,4 +1,4 @@
-"""`tutorial doctor | train | bench` (also `python -m tutorial ...`).
+"""`tutorial doctor | train | bench | check-ddp` (also `python -m tutorial ...`).
 
 doctor is the first cell of 00_setup: what is on this machine, and whether the workbook can run here.
 """
@@ -166,16 +166,20 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"doctor": doctor, "train": train}
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: tutorial {doctor,train,bench} ...\n\n"
+        print("usage: tutorial {doctor,train,bench,check-ddp} ...\n\n"
               "  doctor   what is installed; exit 1 with a fix per missing piece\n"
               "  train    tutorial train {single,dp,ddp,horovod} [options] (see --help of each)\n"
-              "  bench    throughput, all-reduce and scaling benchmarks (tutorial bench --help)")
+              "  bench    throughput, all-reduce and scaling benchmarks (tutorial bench --help)\n"
+              "  check-ddp  run your DDP script under torchrun and say what is wrong (tutorial check-ddp --help)")
         return 0 if argv else 2
     if argv[0] == "bench":
         from . import bench
         return bench.main(argv[1:])
+    if argv[0] == "check-ddp":
+        from .launch import check_ddp
+        return check_ddp.main(argv[1:])
     if argv[0] not in commands:
-        print(f"error: command {argv[0]!r} is not one of: doctor, train, bench", file=sys.stderr)
+        print(f"error: command {argv[0]!r} is not one of: doctor, train, bench, check-ddp", file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
 

@@ -1,0 +1,52 @@
+"""Mistake: every rank seeds 0 and augments in the dataset (random noise): all ranks draw the same noise
+for their different samples (expected: same-augmentation)."""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+def dataset(n=256):
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(n, 16, generator=g)
+    return TensorDataset(X, (X[:, 0] > 0).long())
+
+
+class Noisy(Dataset):
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        X, y = self.base[i]
+        return X + 0.1 * torch.randn_like(X), y
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    train_set = Noisy(dataset())
+    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * world_size)
+    sampler = DistributedSampler(train_set, shuffle=True, seed=0)
+    loader = DataLoader(train_set, batch_size=32, sampler=sampler)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for X, y in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(X), y)
+            loss.backward()
+            optimizer.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
