@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # `make lab`: JupyterLab on notebooks/ with the project's kernel. Token authentication stays on; Jupyter prints the
 # URL with its token. A busy port is not an error: say so and let Jupyter take the next free one.
-# It opens on the course: the first notebook (00_setup, the README's first), its kernel `tutorial` started without
-# a kernel dialog, and no "get notified about official Jupyter news?" pop-up over it (settings below).
+# It opens on the course: the first notebook (00_setup, the README's first) open (and the first file in
+# the file browser, below the capstone/ folder: JupyterLab lists folders first), its
+# kernel `tutorial` started without a kernel dialog, and no "get notified about official Jupyter news?" pop-up over
+# it (the settings below).
 # LAB_ROOT: the folder to serve (default notebooks; tests/test_lab_ui.py serves a copy).
 # LAB_CULL_S: a kernel no browser tab is connected to (a closed tab, a laptop gone home) is stopped after this many
 # idle seconds, and with it its engines and their GPUs (default 3600; 0 keeps kernels until the lab stops).
