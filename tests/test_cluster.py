@@ -388,9 +388,10 @@ class Kernel:
                 break
             if until is not None and until(text):
                 return text, {}
-        reply = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
-        assert reply["parent_header"]["msg_id"] == msg_id
-        return text, reply["content"]
+        while True:  # skipping replies to earlier requests (wait_for_ready may have asked for kernel_info twice)
+            reply = self.kc.get_shell_msg(timeout=max(1.0, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return text, reply["content"]
 
     def run(self, code: str, timeout: float = 180) -> str:
         text, reply = self.outputs(self.send(code), timeout)
