@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+from conftest import have_horovod
+
 from tutorial.core.config import ConfigError, TrainConfig, parse_args, to_argv
 
 CONFIGS = [
@@ -57,3 +59,67 @@ def test_the_refusal_is_one_line_and_exit_2_from_the_command_line():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == ["error: --sync-bn True is not used by train_single; it works in train_ddp, "
                                         "train_horovod, train_lightning (leave it at its default here)"]
+
+
+# Every option is read or refused (issue 31): each trainer runs one epoch in a process of its own with a config that
+# notes which fields the trainer and the core read (reads inside config.py itself, such as validate() and to_dict(),
+# do not count), and every field must be read, refused there (ONLY_IN) or listed here with the reason.
+READ_FIELDS = """
+import dataclasses, json, sys, tempfile
+from tutorial.core.config import TrainConfig
+from tutorial import train_{stage} as trainer
+read = set()
+
+class Noted(TrainConfig):
+    def __getattribute__(self, name):
+        if not sys._getframe(1).f_code.co_filename.endswith(("/core/config.py", "/dataclasses.py")):
+            read.add({{"resume_path": "resume"}}.get(name, name))
+        return object.__getattribute__(self, name)
+
+cfg = TrainConfig.preset("smoke", epochs=1, out=tempfile.mkdtemp(), quiet=True)
+trainer.main(Noted(**{{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}}))
+print("READ " + json.dumps(sorted(read)))
+"""
+NOT_READ_BY_DESIGN = {
+    "data_dir": "read by core.data for the datasets on disk (mnist, cifar10, imagefolder), not for digits",
+    "generated": "read by core.data for the datasets on disk, in place of their files",
+    "image_size": "read by core.data for synthetic and imagefolder images",
+    "preset_name": "a label in metrics.json, set by TrainConfig.preset",
+    "lr_scaling": "a rule for N ranks: at world size 1 both settings give the same lr (single, dp)",
+}
+STAGES_READING = ["single", "dp", "ddp", "fsdp", "deepspeed", "lightning",
+                  pytest.param("horovod", marks=pytest.mark.skipif(not have_horovod(), reason="Horovod not built"))]
+
+
+@pytest.mark.parametrize("stage", STAGES_READING)
+def test_every_option_is_read_or_refused(stage, tmp_path):
+    import json
+
+    from conftest import PYTHON, run
+    script = tmp_path / "noted.py"
+    script.write_text(READ_FIELDS.format(stage=stage))
+    out = run([PYTHON, script], timeout=300).stdout
+    read = set(json.loads(out.split("READ ", 1)[1]))
+    assert ignored_options(stage, read) == set(), f"train_{stage} accepts and never reads these"
+
+
+def ignored_options(stage: str, read: set) -> set:
+    """Fields train_<stage> neither reads nor refuses (nor are unread by design); a field it refuses yet reads is
+    reported too (the refusal would be wrong)."""
+    import dataclasses
+
+    from tutorial.core.config import ONLY_IN
+    refused = {name for name, stages in ONLY_IN.items() if stage not in stages}
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return (fields - read - refused - set(NOT_READ_BY_DESIGN)) | (read & refused)
+
+
+def test_the_option_check_can_fail():
+    """An option a trainer accepts but never reads (as train_lightning did with --time-steps), and one it refuses
+    but reads, are both reported."""
+    import dataclasses
+    everything = {f.name for f in dataclasses.fields(TrainConfig)}
+    read_by_ddp = everything - {"fp16_allreduce", "zero_stage", *NOT_READ_BY_DESIGN}
+    assert ignored_options("ddp", read_by_ddp) == set()
+    assert ignored_options("ddp", read_by_ddp - {"time_steps"}) == {"time_steps"}
+    assert ignored_options("ddp", read_by_ddp | {"zero_stage"}) == {"zero_stage"}

@@ -1,28 +1,42 @@
-"""Every option in every distributed trainer, checked by equivalence (issue 20's matrix).
+"""Every option in every distributed trainer, checked by equivalence (issue 20's matrix) and by what the model
+really computed (issue 31).
 
 CPU, gloo, 2 ranks on shared notebook engines (MPI engines for Horovod), one epoch of the real digits set on the small
 CNN without BatchNorm, constant lr without warm-up or scaling so that the only difference between runs is how the
 global batch of 64 is computed. Each distributed run is compared with one process at that global batch and the same
-option (parameters after the epoch's 23 optimizer steps, and the test loss):
+option (parameters after the epoch's 23 optimizer steps, and the test loss, Lightning's included):
 
 - grad_accum 2: 2 ranks x 16 x 2 micro-batches. 719 samples per rank leave a last group of ONE micro-batch of 15
   samples, so the weighting of an uneven last group is under test (1 / grad_accum would halve its gradient).
+- schedule: the same accumulation under warm-up (half an epoch) and cosine decay: the lr of optimizer step k is the
+  one process's lr of step k (Lightning's LambdaLR steps once per optimizer step, the others map the micro-batch).
 - clip_grad 0.1 (below the gradient norm of every step, so every step clips), channels_last: 2 ranks x 32.
 - bf16: 2 ranks x 32. Autocast's bf16 rounds differently for a batch of 32 than for 64, so DDP is held to a looser
   tolerance against one process, and every other trainer to DDP's bf16 run at the same 2 x 32.
-- compile (torch.compile, a few seconds per process even for this CNN): DDP and Lightning.
+- compile: every trainer that accepts --compile. DDP's case compiles with inductor, as users get it (about two
+  minutes of C++ on 2 cores); the others with dynamo's aot_eager backend (the same graph capture and autograd, no
+  code generation), since what they test is that the trainer hands its model to torch.compile and trains with
+  what comes back; gpu-check compiles every trainer with inductor on a GPU.
+
+Numbers alone cannot tell an option that was ignored (channels_last and compile give the same weights as plain fp32),
+so every run is observed from inside (tutorial.bench.observe): bf16 runs must compute in bfloat16 and fp32 runs in
+float32, channels_last runs must feed their convolutions NHWC tensors, compile runs must run compiled graphs.
+test_the_matrix_can_fail shows each of these checks failing on a run without the option, and the weighting and the
+schedule failing when done the way they used to be.
 
 Tolerances, measured on this 2-core CPU on 2026-11-25: every fp32 option within 1e-7 of one process (9e-8, float
-summation order), asserted at FP32_TOL; bf16 per trainer in BF16_TOL below. Negative controls show that a run which
-ignored the option would fail (test_the_matrix_can_fail).
+summation order), asserted at FP32_TOL; bf16 per trainer in BF16_TOL below.
 """
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
 from conftest import needs_horovod, needs_mpi
 
-from tutorial import train_ddp, train_deepspeed, train_fsdp, train_lightning, train_single
+from tutorial import train_ddp, train_single
+from tutorial.bench.observe import run_observed
 from tutorial.core.config import TrainConfig
 from tutorial.core.optim import micro_batch_weight
 from tutorial.launch import engines
@@ -36,24 +50,39 @@ FP32_TOL = 1e-5
 # bf16 (both DDP 2 x 32): 0.0154 (0.0153 on an AVX-512 BF16 CPU), above every tolerance.
 BF16_TOL = {"ddp": 0.012, "horovod": 1e-5, "lightning": 1e-5, "fsdp": 1e-5, "deepspeed": 1e-5}
 # The test loss of DDP bf16 2 x 32 against one process bf16 x 64 moved 0.0015 on an AVX2 CPU (bf16 emulated) and
-# 0.0083 on an AVX-512 BF16 one (2026-11-25), while fp32 against bf16 moves it only 0.0022: the loss cannot tell
-# bf16 from fp32, so it is a sanity bound there and the parameters (above) are the test. The other trainers are held
-# to DDP's bf16 loss as tightly as in fp32.
+# 0.0083 on an AVX-512 BF16 one (2026-11-25), more than fp32 against bf16 moves it (0.0022): for DDP the loss is a
+# sanity bound only, and what tells bf16 from fp32 is the computed dtype (observed) and the parameters. The other
+# trainers are held to DDP's bf16 loss as tightly as in fp32.
 BF16_LOSS = {"ddp": 0.02, "horovod": 1e-4, "lightning": 1e-4, "fsdp": 1e-4, "deepspeed": 1e-4}
 
 # option -> (config changes of every run, per-rank batch, accumulation)
 OPTIONS = {
     "grad_accum": (dict(), 16, 2),
+    "schedule": (dict(schedule="cosine", warmup_epochs=0.5), 16, 2),
     "clip_grad": (dict(clip_grad=0.1), 32, 1),
     "channels_last": (dict(channels_last=True), 32, 1),
     "bf16": (dict(precision="bf16"), 32, 1),
     "compile": (dict(compile=True), 32, 1),
 }
-TRAINERS = {"ddp": train_ddp.main, "fsdp": train_fsdp.main, "deepspeed": train_deepspeed.main,
-            "lightning": train_lightning.main}
-COMPILED = ("ddp", "lightning")
+TRAINERS = ("ddp", "fsdp", "deepspeed", "lightning", "horovod")  # tutorial.train_<name>; Horovod on MPI engines
 CASES = [pytest.param(t, o, id=f"{t}-{o}", marks=[needs_mpi, needs_horovod] if t == "horovod" else [])
-         for t in (*TRAINERS, "horovod") for o in OPTIONS if o != "compile" or t in COMPILED]
+         for t in TRAINERS for o in OPTIONS]
+
+
+def expected_observation(cfg) -> dict:
+    """What a run of cfg must have computed, by the hooks of tutorial.bench.observe."""
+    if cfg.compile:
+        return {"compiled": True}
+    return {"dtypes": ["bfloat16" if cfg.precision == "bf16" else "float32"], "channels_last": [cfg.channels_last],
+            "compiled": False}
+
+
+def observation(metrics: dict) -> dict:
+    seen = metrics["observed"]
+    found = {"compiled": seen["compiled_graphs"] > 0}
+    if not seen["compiled_graphs"]:
+        found.update(dtypes=seen["dtypes"], channels_last=seen["channels_last"])
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +105,7 @@ def reference(tmp_path_factory, cluster):
         if (option, stage) not in runs:
             out = tmp_path_factory.mktemp(f"{stage}_{option}")
             changes, batch, accum = OPTIONS[option]
+            changes = {k: v for k, v in changes.items() if k != "compile"}  # compiled runs match eager ones
             if stage == "single":
                 m = train_single.main(BASE.replace(batch_size=GLOBAL_BATCH, out=str(out), **changes))
             else:
@@ -85,46 +115,79 @@ def reference(tmp_path_factory, cluster):
     return run
 
 
-def run_distributed(request, stage: str, option: str, out) -> dict:
+def run_distributed(request, stage: str, cfg) -> dict:
+    engines_ = request.getfixturevalue("mpi_engines" if stage == "horovod" else "cluster")
+    backend = "aot_eager" if cfg.compile and stage != "ddp" else None  # inductor for DDP only (docstring)
+    main = importlib.import_module(f"tutorial.train_{stage}").main
+    return engines_.run(run_observed, main, cfg, backend)
+
+
+def case_config(option: str, out) -> TrainConfig:
     changes, batch, accum = OPTIONS[option]
-    cfg = BASE.replace(batch_size=batch, grad_accum=accum, out=str(out), **changes)
-    if stage == "horovod":
-        from tutorial import train_horovod
-        return request.getfixturevalue("mpi_engines").run(train_horovod.main, cfg)
-    return request.getfixturevalue("cluster").run(TRAINERS[stage], cfg)
+    return BASE.replace(batch_size=batch, grad_accum=accum, out=str(out), **changes)
 
 
 @pytest.mark.parametrize("stage, option", CASES)
 def test_trainer_option_matches_one_process_at_the_global_batch(stage, option, reference, request, tmp_path):
     single, single_metrics = reference(option)
-    m = run_distributed(request, stage, option, tmp_path)
+    cfg = case_config(option, tmp_path)
+    m = run_distributed(request, stage, cfg)
     assert m["world_size"] == 2 and m["global_batch_size"] == GLOBAL_BATCH and m["steps"] == 23
     assert m["replicas_identical"], m["replica_checksums"]
+    assert 1.0 >= m["test_top5_accuracy"] >= m["test_accuracy"] > 0.5  # seed 001's top-5, in every trainer
+    assert observation(m) == expected_observation(cfg), m["observed"]
     difference = max_difference(tmp_path, single)
-    # Lightning's test loss is the mean of per-batch means (self.log with sync_dist), the others' a mean over
-    # samples: equal only when every batch is full, so it is compared by parameters alone.
-    loss_gap = 0.0 if stage == "lightning" else abs(m["test_loss"] - single_metrics["test_loss"])
+    loss_gap = abs(m["test_loss"] - single_metrics["test_loss"])
     if option == "bf16" and stage != "ddp":
         ddp, ddp_metrics = reference(option, "ddp")
         difference = max_difference(tmp_path, ddp)
-        loss_gap = 0.0 if stage == "lightning" else abs(m["test_loss"] - ddp_metrics["test_loss"])
-    print(f"{stage} {option}: max parameter difference {difference:.3g}, test loss gap {loss_gap:.3g}")
+        loss_gap = abs(m["test_loss"] - ddp_metrics["test_loss"])
+    print(f"{stage} {option}: max parameter difference {difference:.3g}, test loss gap {loss_gap:.3g}, "
+          f"observed {m['observed']}")
     if option == "bf16":
         assert difference < BF16_TOL[stage] and loss_gap < BF16_LOSS[stage], (difference, loss_gap)
     else:
         assert difference < FP32_TOL and loss_gap < 1e-4, (difference, loss_gap)
 
 
+def the_old_ways(main, cfg, what: str):
+    """On an engine: main(cfg) with one mechanism done as it used to be, for the negative controls: "weighting",
+    every micro-batch's loss divided by grad_accum (an uneven last group under-weighted); "schedule", the lr read at
+    the micro-batch's place in the epoch instead of the optimizer step's."""
+    import importlib
+    module = importlib.import_module(main.__module__)
+    name, old = {"weighting": ("micro_batch_weight", lambda loader, i, batch, grad_accum: 1 / grad_accum),
+                 "schedule": ("epoch_progress", lambda loader, i, grad_accum: i / len(loader))}[what]
+    kept = getattr(module, name)
+    setattr(module, name, old)
+    try:
+        return main(cfg)
+    finally:
+        setattr(module, name, kept)
+
+
+the_old_ways.__module__ = "__main__"  # sent to the engines by value, as a notebook cell's function is
+
+
 def test_the_matrix_can_fail(reference, cluster, tmp_path):
-    """Negative controls: a run that ignored --clip-grad, or --precision bf16, would fail its comparison."""
+    """Negative controls: a run that ignored --clip-grad, --precision bf16, --channels-last or --compile, weighted an
+    uneven accumulation group by 1 / grad_accum, or read the lr per micro-batch would fail its case."""
     single, _ = reference("clip_grad")
-    fp32 = cluster.run(train_ddp.main, BASE.replace(batch_size=32, out=str(tmp_path)))
-    print(f"no clipping: {max_difference(tmp_path, single):.3g}")
-    assert max_difference(tmp_path, single) > 100 * FP32_TOL
+    fp32 = cluster.run(run_observed, train_ddp.main, BASE.replace(batch_size=32, out=str(tmp_path / "fp32")))
+    print(f"no clipping: {max_difference(tmp_path / 'fp32', single):.3g}, observed {fp32['observed']}")
+    assert max_difference(tmp_path / "fp32", single) > 100 * FP32_TOL
+    for option in ("bf16", "channels_last", "compile"):
+        assert observation(fp32) != expected_observation(case_config(option, tmp_path)), option
     bf16, bf16_metrics = reference("bf16", "ddp")
     loss_gap = abs(fp32["test_loss"] - bf16_metrics["test_loss"])
-    print(f"fp32 vs bf16 (DDP 2 x 32): {max_difference(tmp_path, bf16):.3g}, test loss gap {loss_gap:.3g}")
-    assert max_difference(tmp_path, bf16) > max(BF16_TOL.values())
+    print(f"fp32 vs bf16 (DDP 2 x 32): {max_difference(tmp_path / 'fp32', bf16):.3g}, test loss gap {loss_gap:.3g}")
+    assert max_difference(tmp_path / "fp32", bf16) > max(BF16_TOL.values())
+    for what, option in (("weighting", "grad_accum"), ("schedule", "schedule")):
+        out = tmp_path / what
+        cluster.run(the_old_ways, train_ddp.main, case_config(option, out), what)
+        difference = max_difference(out, reference(option)[0])
+        print(f"{option} done the old way ({what}): {difference:.3g}")
+        assert difference > 100 * FP32_TOL, what
 
 
 def test_micro_batch_weight_counts_samples_in_the_group():

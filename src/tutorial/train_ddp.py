@@ -24,7 +24,7 @@ from .core.distributed import (all_reduce_mean, init_process_group, pick_device,
                                replica_checksums, teardown, world_from_env)
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model  # DDP: the replicas' digests come from core.distributed
-from .core.optim import build_optimizer, lr_at, micro_batch_weight, scaled_lr, set_lr  # DDP: scaled_lr
+from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weight, scaled_lr, set_lr  # DDP: scaled_lr
 from .core.precision import Precision
 from .core.process import run_main
 
@@ -78,7 +78,7 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
         loss_sum += loss.detach() * len(y)
         samples += len(y)
         if last_micro_batch:
-            lr = lr_at(cfg, epoch + i / len(loader), peak_lr)
+            lr = lr_at(cfg, epoch + epoch_progress(loader, i, cfg.grad_accum), peak_lr)
             set_lr(optimizer, lr)
             amp.step(optimizer, model.parameters(), cfg.clip_grad)
             optimizer.zero_grad()

@@ -25,7 +25,8 @@ from .core.distributed import (all_reduce_mean, init_process_group, pick_device,
                                replica_checksums, teardown, world_from_env)
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model  # DeepSpeed: the ranks' digests come from core.distributed
-from .core.optim import build_optimizer, lr_at, micro_batch_weight, scaled_lr, set_lr  # DeepSpeed: scaled_lr
+from .core.optim import (build_optimizer, epoch_progress, lr_at, micro_batch_weight, scaled_lr,  # DeepSpeed: scaled_lr
+                         set_lr)
 from .core.precision import Precision
 from .core.process import run_main
 
@@ -94,7 +95,7 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
         loss_sum += loss.detach() * len(y)
         samples += len(y)
         if last_micro_batch:
-            lr = lr_at(cfg, epoch + i / len(loader), peak_lr)
+            lr = lr_at(cfg, epoch + epoch_progress(loader, i, cfg.grad_accum), peak_lr)
             set_lr(optimizer, lr)
             model.step()  # DeepSpeed: clip, step (each rank its partition), share the new weights, zero the grads
             state.step += 1

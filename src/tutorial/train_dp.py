@@ -20,7 +20,7 @@ from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model, checksum
-from .core.optim import build_optimizer, lr_at, micro_batch_weight, set_lr
+from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weight, set_lr
 from .core.precision import Precision
 from .core.process import run_main
 
@@ -67,7 +67,7 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
         loss_sum += loss.detach() * len(y)
         samples += len(y)
         if last_micro_batch:
-            lr = lr_at(cfg, epoch + i / len(loader), peak_lr)
+            lr = lr_at(cfg, epoch + epoch_progress(loader, i, cfg.grad_accum), peak_lr)
             set_lr(optimizer, lr)
             amp.step(optimizer, model.parameters(), cfg.clip_grad)
             optimizer.zero_grad()
@@ -101,8 +101,6 @@ def evaluate(cfg, model, amp, loader, device):
 def main(cfg: TrainConfig) -> dict:
     device, amp = setup(cfg)
     model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
-    if cfg.compile:
-        model = torch.compile(model)
     log = tracking.RunLog(cfg, "dp", device, gpus=torch.cuda.device_count())  # DP: replicas that share a batch
     log.print(f"DataParallel over {torch.cuda.device_count()} GPU(s)" if device.type == "cuda" else  # DP
               "DataParallel: no GPU here, so the model runs unreplicated on the CPU")

@@ -25,7 +25,7 @@ from .core.distributed import (all_reduce_mean, init_process_group, pick_device,
                                replica_checksums, teardown, world_from_env)
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import batch_norms, blocks, build_model  # FSDP: units to shard
-from .core.optim import build_optimizer, lr_at, micro_batch_weight, scaled_lr, set_lr  # FSDP: scaled_lr
+from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weight, scaled_lr, set_lr  # FSDP: scaled_lr
 from .core.precision import Precision
 from .core.process import run_main
 
@@ -61,6 +61,8 @@ def build(cfg: TrainConfig, device: torch.device, world, amp):  # FSDP: rank, wo
     for norm in batch_norms(model) if amp.dtype else []:
         fully_shard(norm, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=amp.dtype))
     for block in blocks(model):  # FSDP: one unit per residual block, each gathered only while it runs
+        if cfg.compile:  # FSDP: each block's forward compiled, FSDP's gathers around it left eager (torchtitan
+            block.forward = torch.compile(block.forward)  # FSDP: too); a whole compiled model graph-breaks at them
         fully_shard(block, mp_policy=policy)  # FSDP: its parameters become DTensors, 1/world_size per rank
     # FSDP: the root holds the rest (stem, head), starts the first gather and returns fp32 logits
     fully_shard(model, mp_policy=MixedPrecisionPolicy(amp.dtype, torch.float32, output_dtype=torch.float32))
@@ -86,7 +88,7 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
         loss_sum += loss.detach() * len(y)
         samples += len(y)
         if last_micro_batch:
-            lr = lr_at(cfg, epoch + i / len(loader), peak_lr)
+            lr = lr_at(cfg, epoch + epoch_progress(loader, i, cfg.grad_accum), peak_lr)
             set_lr(optimizer, lr)
             amp.step(optimizer, model.parameters(), cfg.clip_grad)  # FSDP: each rank updates its own shard
             optimizer.zero_grad()
@@ -126,8 +128,6 @@ def main(cfg: TrainConfig) -> dict:
 
 
 def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr) -> dict:  # FSDP: the loop
-    if cfg.compile:
-        model = torch.compile(model)
     log = tracking.RunLog(cfg, "fsdp", device, world.rank, world.world_size)  # FSDP: rank 0 prints and writes
     state = sharded_checkpoint.resume_dcp(cfg, model, optimizer)  # FSDP: each rank reads the slices it holds
     log.metrics["epochs"] = state.history

@@ -25,7 +25,8 @@ from .core.data import build_datasets, make_loader, shard  # Horovod: shard
 from .core.distributed import pick_device  # Horovod
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model, checksum, convert_batchnorm  # Horovod: convert_batchnorm
-from .core.optim import build_optimizer, lr_at, micro_batch_weight, scaled_lr, set_lr  # Horovod: scaled_lr
+from .core.optim import (build_optimizer, epoch_progress, lr_at, micro_batch_weight, scaled_lr,  # Horovod: scaled_lr
+                         set_lr)
 from .core.precision import Precision
 from .core.process import run_main
 
@@ -82,7 +83,7 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
         loss_sum += loss.detach() * len(y)
         samples += len(y)
         if last_micro_batch:
-            lr = lr_at(cfg, epoch + i / len(loader), peak_lr)
+            lr = lr_at(cfg, epoch + epoch_progress(loader, i, cfg.grad_accum), peak_lr)
             set_lr(optimizer, lr)
             optimizer.synchronize()  # Horovod: wait for the averaged gradients before unscaling and clipping
             with optimizer.skip_synchronize():  # Horovod: step() must not wait for them a second time

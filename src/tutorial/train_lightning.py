@@ -19,9 +19,10 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.optim.lr_scheduler import LambdaLR
 
-from .core import tracking
+from .core import checkpoint, tracking
 from .core.lightning_glue import LaunchedDDP, Launcher, RunRecord, quiet
 from .core.metrics import top5_correct
 from .core.config import TrainConfig, parse_args
@@ -86,10 +87,12 @@ def setup(cfg: TrainConfig):
 def build(cfg: TrainConfig, device: torch.device, world):
     """Data, the LightningModule (model and optimizer) and the Trainer."""
     train_set, test_set, info = build_datasets(cfg)
-    # Plain loaders: Lightning swaps in a DistributedSampler (train: shuffled, set_epoch every epoch; test: in
-    # order, padded so every rank gets as many batches).
+    # A plain training loader: Lightning swaps in a DistributedSampler (shuffled, set_epoch every epoch). For the
+    # test set it would pad too (359 digits to 360, one counted twice); a sampler that splits it exactly, which
+    # Lightning keeps, makes the test metrics those of the other trainers.
     train_loader = make_loader(train_set, cfg, device, sampler=torch.utils.data.RandomSampler(train_set))
-    test_loader = make_loader(test_set, cfg, device)
+    test_loader = make_loader(test_set, cfg, device, sampler=UnrepeatedDistributedSampler(
+        test_set, world.world_size, world.rank, shuffle=False))
     steps_per_epoch = math.ceil(math.ceil(len(train_set) / world.world_size) / cfg.batch_size / cfg.grad_accum)
     module = Classifier(cfg, info, scaled_lr(cfg, world.world_size), steps_per_epoch)
     torch.manual_seed(cfg.seed + world.rank)  # each rank its own random crops and flips; the weights were shared
@@ -122,6 +125,10 @@ def main(cfg: TrainConfig) -> dict:
             # torch.compile of the whole LightningModule: Lightning unwraps it and compiles its forward.
             trainer.fit(torch.compile(module) if cfg.compile else module, train_loader, test_loader,
                         ckpt_path=resume_path(cfg))
+            record = next(c for c in trainer.callbacks if isinstance(c, RunRecord))
+            if getattr(record, "pending", None):  # --max-steps ended an epoch before Lightning's evaluation
+                trainer.validate(module, test_loader, verbose=False)
+                record.record_epoch(trainer)
         digests = replica_checksums(module.model)  # every rank's parameter digest, to prove the replicas agree
         return log.finish(steps=trainer.global_step, replica_checksums=digests,
                           replicas_identical=len(set(digests)) == 1, stopped_early=trainer.should_stop)
@@ -133,7 +140,10 @@ def resume_path(cfg: TrainConfig) -> str | None:
     """Lightning's checkpoint to continue from: out/checkpoint.ckpt for --resume (auto), once it exists."""
     if cfg.resume == "auto":
         path = os.path.join(cfg.out, "checkpoint.ckpt") if cfg.out else ""
-        return path if os.path.isfile(path) else None
+        if os.path.isfile(path):
+            return path
+        checkpoint.starting_fresh(path or "(no --out)")
+        return None
     return cfg.resume or None
 
 

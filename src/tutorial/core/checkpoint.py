@@ -79,6 +79,14 @@ def save(cfg: TrainConfig, model, optimizer, scaler, state: State) -> None:
     os.replace(tmp, path)
 
 
+def starting_fresh(path: str) -> State:
+    """--resume found nothing to resume: say so (rank 0, one line), since a mistyped --out would otherwise throw the
+    run being resumed away without a word; then start from scratch, as a resumable job's first run does."""
+    if current_rank() == 0:
+        print(f"resume: no checkpoint at {path}; starting from scratch", flush=True)
+    return State()
+
+
 def resume(cfg: TrainConfig, model, optimizer, scaler, device: torch.device) -> State:
     """Load cfg.resume_path into model, optimizer and scaler on every rank; a fresh State when not resuming."""
     path = cfg.resume_path
@@ -86,7 +94,7 @@ def resume(cfg: TrainConfig, model, optimizer, scaler, device: torch.device) -> 
         return State()
     if not os.path.isfile(path):
         if cfg.resume == "auto":
-            return State()  # nothing to resume yet: the first run of a resumable job
+            return starting_fresh(path)
         raise ConfigError(f"resume checkpoint {path!r} does not exist")
     # map_location: a checkpoint saved on GPU 0 must load onto this rank's device, not pile up on GPU 0.
     # weights_only: a checkpoint holds tensors and plain Python values only, so loading one can never run code.

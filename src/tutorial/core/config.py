@@ -31,6 +31,9 @@ ONLY_IN = {
     "zero_stage": ("deepspeed",),
     "backend": ("ddp", "fsdp", "deepspeed", "lightning"),  # Horovod picks its own (gloo, MPI or NCCL)
     "timeout": ("ddp", "fsdp", "deepspeed", "lightning"),  # Horovod: horovodrun --start-timeout
+    # DataParallel re-replicates the module every step, which torch.compile cannot follow: it graph-breaks back to
+    # eager speed (pytorch/pytorch#94636), so train_dp refuses the flag rather than accept it for nothing.
+    "compile": ("single", "ddp", "horovod", "fsdp", "deepspeed", "lightning"),
 }
 STAGES = ("single", "dp", "ddp", "horovod", "fsdp", "deepspeed", "lightning")
 

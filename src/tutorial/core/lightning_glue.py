@@ -65,10 +65,17 @@ class RunRecord(L.Callback):
 
     def on_train_epoch_start(self, trainer, module):
         self.start, self.samples, self.seconds = time.perf_counter(), 0, None
+        self.stepped = trainer.global_step  # on_train_batch_end logs a step when this changes
+        if self.run_log.timer:  # --time-steps: the epoch's first step counts from here, as in the other trainers
+            self.run_log.timer.start_epoch()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.samples += len(batch[1])
-        self.run_log.step(trainer.global_step, outputs["loss"], trainer.optimizers[0].param_groups[0]["lr"], 1.0)
+        if self.run_log.timer:
+            self.run_log.timer.samples += len(batch[1])
+        if trainer.global_step != self.stepped:  # this micro-batch ended an optimizer step
+            self.stepped = trainer.global_step
+            self.run_log.step(trainer.global_step, outputs["loss"], trainer.optimizers[0].param_groups[0]["lr"], 1.0)
 
     def on_validation_epoch_start(self, trainer, module):
         if self.seconds is None and trainer.training:  # the epoch's training ends where its evaluation begins
@@ -76,10 +83,18 @@ class RunRecord(L.Callback):
 
     def on_train_epoch_end(self, trainer, module):
         m, seconds = trainer.callback_metrics, self.seconds or time.perf_counter() - self.start
-        self.run_log.epoch(dict(epoch=trainer.current_epoch, train_loss=m["train_loss"].item(),
-                            test_loss=m["test_loss"].item(), test_accuracy=m["test_accuracy"].item(),
+        self.pending = dict(epoch=trainer.current_epoch, train_loss=m["train_loss"].item(),
                             samples_per_second=self.samples * self.world_size / seconds, epoch_seconds=seconds,
-                            lr=trainer.optimizers[0].param_groups[0]["lr"], skipped_steps=0), trainer.global_step)
+                            lr=trainer.optimizers[0].param_groups[0]["lr"], skipped_steps=0)
+        if "test_loss" in m:  # evaluated at the epoch's end; not when --max-steps stopped it earlier
+            self.record_epoch(trainer)
+
+    def record_epoch(self, trainer):
+        """The epoch's line and record, once its evaluation is done (train_lightning evaluates an epoch that
+        --max-steps cut short after fit, as the other trainers do)."""
+        m, record, self.pending = trainer.callback_metrics, self.pending, None
+        record.update(test_loss=m["test_loss"].item(), test_accuracy=m["test_accuracy"].item())
+        self.run_log.epoch(record, trainer.global_step)
         self.run_log.metrics["test_top5_accuracy"] = m["test_top5_accuracy"].item()  # beside test_accuracy
 
     def state_dict(self):

@@ -31,6 +31,12 @@ def lr_at(cfg: TrainConfig, epoch: float, peak: float) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def epoch_progress(loader, i: int, grad_accum: int) -> float:
+    """How far into its epoch the optimizer step that micro-batch i belongs to starts, counted in optimizer steps:
+    step k of n is at k / n, as for one process at the global batch, so accumulation follows the same lr curve."""
+    return (i // grad_accum) / math.ceil(len(loader) / grad_accum)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -22,7 +22,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from .checkpoint import State
+from .checkpoint import State, starting_fresh
 from .config import ConfigError, TrainConfig
 
 
@@ -127,6 +127,7 @@ def _existing(cfg: TrainConfig, kind: str, marker: str) -> str:
         return ""
     if not os.path.exists(os.path.join(path, marker)):
         if cfg.resume == "auto" and not os.path.exists(path):
+            starting_fresh(path)
             return ""
         what = "a file" if os.path.isfile(path) else "a directory without " + marker
         raise ConfigError(f"resume checkpoint {path!r} is not a {kind} checkpoint ({what}); the sharded "

@@ -178,8 +178,12 @@ class StepTimer:
         return time.perf_counter(), time.process_time()
 
     def epoch(self, loader):
-        self.marks.append((self._stamp(), 0, True))
+        self.start_epoch()
         return self._counted(loader)
+
+    def start_epoch(self) -> None:
+        """An epoch starts (train_lightning calls it from a hook: Lightning iterates the loader itself)."""
+        self.marks.append((self._stamp(), 0, True))
 
     def _counted(self, loader):
         for X, y in loader:

@@ -636,8 +636,9 @@ class Cluster:
         if all(not isinstance(o, Exception) for o in outcomes):
             return f"interrupted: {what} had just finished on every rank (cluster.results holds it); the engines " \
                    f"are ready for the next cell"
-        return (f"interrupted: {what} got a KeyboardInterrupt on the engines (it did not stop at a step within "
-                f"{STOP_GRACE_S:g} s); the engines are ready for the next cell")
+        raised = sum(isinstance(o, Exception) for o in outcomes)
+        return (f"interrupted: {what} did not stop at a step within {STOP_GRACE_S:g} s: a KeyboardInterrupt ended it "
+                f"on the engines ({raised} of {len(outcomes)} ranks raised); the engines are ready for the next cell")
 
     def _recover(self) -> str:
         """Replace the engines, or stop them all; say which."""

@@ -1,0 +1,53 @@
+"""What a training run really did inside its model, for checks that an option was applied, not only accepted
+(tests/test_matrix.py): the dtypes its convolutions and linear layers computed in (bf16 under autocast or FSDP's
+MixedPrecisionPolicy), whether their inputs were channels_last, and whether a torch.compile'd graph ran.
+
+Global module hooks see every module of the run whatever wraps it (DDP, FSDP, DeepSpeed, Lightning) and change
+nothing; under --compile they are left out (dynamo would trace them) and dynamo's own counters say what it compiled.
+"""
+from __future__ import annotations
+
+
+def run_observed(main, cfg, compile_backend: str | None = None) -> dict:
+    """main(cfg)'s metrics, plus metrics["observed"] = {"dtypes": [...], "channels_last": [...], "compiled_graphs": n}.
+    channels_last lists, for every convolution whose input has more than one channel (a single channel is NCHW and
+    NHWC at once), whether that input was laid out NHWC; a run that ignored the option gives [False].
+
+    compile_backend replaces the backend of every torch.compile call of the run (e.g. "aot_eager": dynamo's graph
+    capture and AOTAutograd without inductor's C++ code generation, seconds instead of minutes on a CPU); the
+    trainer's other arguments to torch.compile are kept."""
+    import functools
+
+    import torch
+    from torch._dynamo.utils import counters
+    from torch.nn.modules.module import register_module_forward_hook
+
+    dtypes, layouts = set(), set()
+
+    def watch(module, args, output):
+        if not isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)) or not isinstance(output, torch.Tensor):
+            return
+        dtypes.add(str(output.dtype).removeprefix("torch."))
+        x = args[0] if args else None
+        if isinstance(module, torch.nn.Conv2d) and isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[1] > 1:
+            layouts.add(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
+
+    compile_ = torch.compile
+
+    @functools.wraps(compile_)
+    def compile_with_backend(*args, **kwargs):
+        return compile_(*args, **{**kwargs, "backend": compile_backend})
+
+    counters.clear()
+    handle = None if cfg.compile else register_module_forward_hook(watch)
+    if compile_backend:
+        torch.compile = compile_with_backend
+    try:
+        metrics = main(cfg)
+    finally:
+        torch.compile = compile_
+        if handle is not None:
+            handle.remove()
+    metrics["observed"] = {"dtypes": sorted(dtypes), "channels_last": sorted(layouts),
+                           "compiled_graphs": int(counters["stats"]["unique_graphs"])}
+    return metrics
