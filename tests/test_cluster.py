@@ -235,6 +235,24 @@ def test_engine_killed_mid_run_gives_a_clear_error(local):
     assert local.run(train_ddp.main, TrainConfig.preset("smoke", epochs=1, max_steps=2))["world_size"] == 2
 
 
+def test_interrupt_of_code_that_never_looks_at_the_stop_flag_ends_it_with_a_keyboard_interrupt(local, helpers,
+                                                                                                 monkeypatch):
+    """A function that is not a trainer (time.sleep here) never sees the stop request: after STOP_GRACE_S the engines
+    get a second SIGINT, a KeyboardInterrupt there; the same engines serve the next run."""
+    import _thread
+    monkeypatch.setattr(cluster_mod, "STOP_GRACE_S", 2.0)
+    pids = [e.pid for e in local.engines]
+    interrupt = threading.Timer(3.0, _thread.interrupt_main)  # what the kernel gets from JupyterLab's Interrupt
+    start = time.monotonic()
+    interrupt.start()
+    with pytest.raises(KeyboardInterrupt, match=r"interrupted: cluster_test_helpers.sleep did not stop at a step "
+                                                r"within 2 s: a KeyboardInterrupt ended it on the engines \(2 of 2 "
+                                                r"ranks raised\); the engines are ready"):
+        local.run(helpers.sleep, 600)
+    assert time.monotonic() - start < 3.0 + 2.0 + 5.0
+    assert local.run(helpers.sleep, 0) == pids[0] and [e.pid for e in local.engines] == pids
+
+
 def test_functions_defined_in_a_notebook_run_on_the_engines(local):
     """ipyparallel sends a function's code: one defined in a notebook (module __main__), a lambda too, runs on every
     engine with the engine's namespace as its globals, so it imports what it uses."""
