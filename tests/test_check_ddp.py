@@ -7,8 +7,8 @@ mistakes, one that names too much fails the correct scripts (and every mistake m
 """
 from __future__ import annotations
 
+import copy
 import hashlib
-import json
 import subprocess
 import sys
 
@@ -40,7 +40,7 @@ MISTAKES = {  # script -> the one finding it must get
     "rank_killed": "rank-died",
     "no_destroy": "no-destroy",
 }
-CORRECT = {"ok_grad_accumulation": [], "ok_multigpu_torchrun": ["2", "1"], "ddp_standalone": ["--epochs", "2"]}
+CORRECT = {"ok_grad_accumulation": [], "ok_multigpu_torchrun": ["2", "1"]}  # and ddp_standalone, from the shell
 MAX_SECONDS = 60.0
 
 
@@ -55,10 +55,11 @@ def zoo(tmp_path_factory):
 
     def get(name):
         if name not in reports:
-            script = STANDALONE if name == "ddp_standalone" else ZOO / f"{name}.py"
+            script = ZOO / f"{name}.py"
             before = digest(script)
+            # The one-process lr run where it matters: the correct scripts and the unscaled lr (each launch counts).
             report = cd.check_ddp(script, CORRECT.get(name, []), out=tmp_path_factory.mktemp(name) / "check",
-                                  max_seconds=MAX_SECONDS)
+                                  max_seconds=MAX_SECONDS, lr_check=name in CORRECT or name == "lr_not_scaled")
             assert digest(script) == before, "the check changed the script"
             reports[name] = report
         return reports[name]
@@ -120,15 +121,15 @@ def test_the_analysis_finds_what_is_doctored_into_a_correct_run(zoo):
     run = {"reports": cd._read(out / "ranks", "rank{}.json", 2), "progress": {}, "output": "", "hung": False,
            "overran": False, "returncode": 0, "augment": {}, "max_seconds": 60}
     assert cd.analyse(run, 2)[0] == []
-    doctored = json.loads(json.dumps(run))
+    doctored = copy.deepcopy(run)
     for sampler in doctored["reports"][1]["samplers"].values():
         for it in sampler["iterations"]:
             it["epoch"], it["order"] = 0, 1
     assert [f.name for f in cd.analyse(doctored, 2)[0]] == ["set-epoch"]
-    doctored = json.loads(json.dumps(run))
+    doctored = copy.deepcopy(run)
     doctored["reports"][1]["checksums"]["ddp0"] = "0" * 16
     assert [f.name for f in cd.analyse(doctored, 2)[0]] == ["replicas-differ"]
-    doctored = json.loads(json.dumps(run))
+    doctored = copy.deepcopy(run)
     doctored["reports"][0]["sync_forwards"] = [4] * 8
     assert [f.name for f in cd.analyse(doctored, 2)[0]] == ["no-sync"]
 
@@ -152,12 +153,17 @@ def test_max_seconds_stops_every_rank_after_the_same_step(tmp_path):
 
 
 def test_the_command_line_accepts_the_standalone_example(tmp_path):
+    """The third correct script, checked as the README says: `tutorial check-ddp examples/ddp_standalone.py`."""
+    before = digest(STANDALONE)
     proc = subprocess.run([sys.executable, "-m", "tutorial", "check-ddp", str(STANDALONE), "--out",
                            str(tmp_path / "check")], capture_output=True, text=True, env=env(), cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ok: nothing wrong found" in proc.stdout
-    assert (tmp_path / "check" / "run" / "runs" / "ddp_standalone" / "model.pt").exists()
+    header, verdict = proc.stdout.strip().splitlines()  # no finding, no warning, no note
+    assert "on 2 ranks" in header and "115 optimizer steps per rank" in header  # 5 epochs of 23 steps, all run
+    assert verdict.startswith("ok: nothing wrong found")
+    assert (tmp_path / "check" / "run" / "runs" / "ddp_standalone" / "model.pt").exists()  # its files, in scratch
+    assert digest(STANDALONE) == before
 
 
 @pytest.mark.parametrize("argv, named", [
