@@ -39,6 +39,7 @@ CWD_VARIABLE = "TUTORIAL_CHECK_CWD"  # the script runs there, so that its relati
 PROGRESS_S = 0.5  # how often the progress file is refreshed
 KEEP_EPOCHS = 3  # a loader's or sampler's order is kept for its first epochs (enough to compare two)
 KEEP_LINES = 200  # printed metric lines kept per rank
+FETCHES_WATCHED = 20  # batches per process whose fetch is watched for random draws (augmentation draws in each)
 METRIC = re.compile(r"\b(loss|acc|accuracy|top-?[15]|perplexity|ppl|f1|mse|mae|rmse)\b[^\d\n]{0,16}?"
                     r"[-+]?\d*\.\d+|\b(loss|acc|accuracy)\b[^\d\n]{0,16}?\d+(\.\d+)?\s*%", re.I)
 REDUCING = ("all_reduce", "reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "gather",
@@ -74,6 +75,7 @@ class Recorder:
                        "wrapper_saves": [], "metric_lines": [], "reductions": 0, "aug": None}
         self._ddp, self._optimizers, self._samplers, self._loaders = [], {}, {}, {}
         self._forwards_since_step, self._batches, self._last_loader = 0, 0, None
+        self._fetches_left = FETCHES_WATCHED
         self._keep = []  # the samplers and loaders recorded, kept alive so that their ids stay theirs
         self._stop_at = None
         self._lock = threading.Lock()
@@ -219,11 +221,16 @@ class Recorder:
 
         def fetch_batch(original):  # a random draw while fetching a batch is augmentation
             def recording(self, index):
+                if rec._fetches_left <= 0:  # seen (or augmentation would have drawn in the first batches)
+                    return original(self, index)
+                rec._fetches_left -= 1
                 before = rec._rng_states()
                 data = original(self, index)
                 after = rec._rng_states()
-                if before is not None and after != before:  # the states of the generators it drew from
-                    rec._note_augmentation("/".join(str(b) for b, a in zip(before, after) if a != b))
+                if before != after:  # the states of the generators it drew from, before the draw
+                    rec._fetches_left = 0
+                    rec._note_augmentation("/".join(hashlib.sha256(repr(b).encode()).hexdigest()[:16]
+                                                    for b, a in zip(before, after) if a != b))
                 return data
             return recording
 
@@ -338,19 +345,16 @@ class Recorder:
             digest = None
         return [type(dataset).__name__, size, digest]
 
-    def _rng_states(self):
-        try:
-            import random
+    def _rng_states(self) -> tuple:
+        """The global generators' states (torch, random, numpy if imported), compared raw: hashed only on a draw."""
+        import random
 
-            import torch
-            states = [hashlib.sha256(torch.random.get_rng_state().numpy().tobytes()).hexdigest()[:16],
-                      hash(random.getstate())]
-            if "numpy" in sys.modules:
-                state = sys.modules["numpy"].random.get_state()
-                states.append(hashlib.sha256(state[1].tobytes()).hexdigest()[:16] + str(state[2]))
-            return tuple(states)
-        except Exception:  # noqa: BLE001
-            return None
+        import torch
+        states = [torch.random.get_rng_state().numpy().tobytes(), random.getstate()]
+        if "numpy" in sys.modules:
+            state = sys.modules["numpy"].random.get_state()
+            states.append((state[1].tobytes(), state[2]))
+        return tuple(states)
 
     def _note_augmentation(self, before: str) -> None:
         from torch.utils.data import get_worker_info
@@ -370,8 +374,7 @@ class Recorder:
 
     def _note_write(self, f, mode) -> None:
         path = self._path(f)
-        if path is None or not any(m in mode for m in "wax+") or path.startswith(self.folder + os.sep) \
-                or path.startswith("/dev/"):
+        if path is None or not any(m in mode for m in "wax+") or path.startswith("/dev/"):  # (ours: the original open)
             return
         where = self.where()
         if where is None:  # written by a library on its own, not by the script
