@@ -56,9 +56,10 @@ def main():
 
     # DDP: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every process it starts.
     # One process per GPU, each on its own (LOCAL_RANK numbers the processes of this node); NCCL on GPUs, gloo on CPUs.
+    # Where the launcher binds one GPU per task (Slurm --gpus-per-task=1), every process sees only its own: cuda:0.
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

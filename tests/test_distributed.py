@@ -59,3 +59,37 @@ def test_allreduce_check_sums_ranks_over_two_processes(tmp_path):
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["sum_correct"] and r["world_size"] == 2 and r["bus_gbytes_per_s"] > 0 for r in results)
+
+
+def exchange(identities: list[str]) -> list:
+    """Every rank's refuse_shared_gpus through one store, each rank in a thread as it would be in a process: what
+    each rank raised (None when it went on)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from tutorial.core.distributed import World, refuse_shared_gpus
+    store, raised = dist.HashStore(), [None] * len(identities)
+
+    def rank(r):
+        try:
+            refuse_shared_gpus(store, World(rank=r, local_rank=r, world_size=len(identities),
+                                            local_world_size=len(identities)), identities[r])
+        except Exception as exc:  # noqa: BLE001 - what the rank would print
+            raised[r] = str(exc)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(identities))]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    return raised
+
+
+def test_nccl_is_refused_only_where_two_ranks_would_really_share_a_gpu():
+    """GPUs are matched by identity (host and UUID), not counted: one GPU per rank by index, and one per rank by
+    per-task binding (Slurm --gpus-per-task=1, where every rank sees a single cuda:0 and device_count() is 1, which
+    the old rule `local_world_size > device_count()` refused), both go on; two ranks on one GPU are refused on every
+    rank, naming them."""
+    assert exchange(["n1/GPU-aaaa", "n1/GPU-bbbb"]) == [None, None]  # by index: cuda:0, cuda:1
+    assert exchange(["n1/GPU-aaaa", "n1/GPU-bbbb", "n2/GPU-aaaa", "n2/GPU-cccc"]) == [None] * 4  # bound per task
+    refused = exchange(["n1/GPU-aaaa", "n1/GPU-aaaa", "n1/GPU-bbbb"])
+    assert all(r and r.startswith("ranks 0, 1 would use the same GPU: NCCL cannot put two ranks on one GPU")
+               for r in refused), refused

@@ -51,7 +51,7 @@ def test_exercise_2_names_sharding_only_the_root(cluster):
         "    fully_shard(model)\n"
         "    return model\n")
     checked = cluster.run(lesson.check_fully_shard, root_only)
-    assert not checked["ok"] and checked["problems"] == [checked["problems"][0]], checked
+    assert not checked["ok"] and len(checked["problems"]) == 1, checked
     assert checked["problems"][0].startswith("the whole model is one FSDP unit"), checked
 
 

@@ -35,10 +35,13 @@ def test_grad_scaler_skips_overflowing_steps_and_halves_the_scale():
 
 
 def test_seed_002_speedup_is_computed_from_its_times():
-    rows = lessons_horovod.seed002_scaling("MNIST")
-    assert rows[0]["GPUs"] == 1 and rows[0]["speed-up"] == 1.0
-    eight = next(r for r in rows if r["GPUs"] == 8)
-    assert eight["speed-up"] == round(rows[0]["seconds"] / eight["seconds"], 1)
+    """Seed 002's table (time for 32 epochs): MNIST 499.8 s on 1 GPU, 58.8 s on 8, so 8.5x and 106 % efficiency
+    (super-linear: the per-GPU batch fits better); cifar10 522.3 s and 73.5 s, 7.1x and 89 %."""
+    mnist = {r["GPUs"]: r for r in lessons_horovod.seed002_scaling("MNIST")}
+    assert (mnist[1]["seconds"], mnist[1]["speed-up"]) == (499.8, 1.0)
+    assert (mnist[8]["seconds"], mnist[8]["speed-up"], mnist[8]["efficiency %"], mnist[8]["nodes"]) == (58.8, 8.5, 106, 1)
+    cifar = {r["GPUs"]: r for r in lessons_horovod.seed002_scaling("cifar10")}
+    assert (cifar[8]["speed-up"], cifar[8]["efficiency %"], cifar[32]["nodes"]) == (7.1, 89, 4)
 
 
 def test_warmup_reaches_the_scaled_peak():

@@ -109,7 +109,7 @@ def test_pipeline_bubble_follows_the_formula():
     assert by["gpipe", 8]["in_flight"] == [8, 8] and max(by["1f1b", 8]["in_flight"]) <= 2
     for r in rows:
         print(r)
-        assert r["formula"] == pytest.approx(1 / (r["micro_batches"] + 1))
+        assert r["formula"] == pytest.approx({2: 1 / 3, 8: 1 / 9}[r["micro_batches"]])  # GPipe's (p-1)/(m+p-1), p=2
         assert all(0 <= x < 1 for x in r["idle"]), r  # a fraction of the step, measured on both stages
     # How close the measured idle comes to the formula is a timing: benchmarks/pipeline_bubble.py measures it on a
     # quiet machine into results/pipeline_bubble.jsonl (a timed assertion here failed under CI's own load).

@@ -54,12 +54,9 @@ def test_a_different_batch_does_not_match(single_2b, tmp_path):
     assert not torch.allclose(params(single_2b), params(tmp_path), rtol=1e-5, atol=1e-5)
 
 
-def test_data_parallel_matches_single(tmp_path):
-    cfg = TrainConfig.preset("smoke", epochs=1, max_steps=8, out=str(tmp_path / "single"))
-    train_single.main(cfg)
-    m = train_dp.main(cfg.replace(out=str(tmp_path / "dp")))
-    assert m["strategy"] == "dp"
-    assert_same_params(tmp_path / "single", tmp_path / "dp", tol=1e-6)
+# DataParallel is not compared with one process here: on a CPU it is the module itself (no replicas, no scatter), so
+# such a test compared a computation with itself. Its scatter/replicate/gather is checked by hand in
+# test_exercises_02 and notebook 02, and on GPUs by make gpu-check (dp-* checks).
 
 
 def test_smoke_single_reaches_95_percent(tmp_path):
@@ -124,13 +121,25 @@ def test_tensorboard_event_files_hold_the_scalars(tmp_path):
 
 
 def test_bf16_trains_on_cpu(tmp_path):
-    m = train_single.main(TrainConfig.preset("smoke", precision="bf16"))
-    assert m["precision"] == "bf16" and m["test_accuracy"] >= 0.95
+    """bf16 is applied (the layers compute in bfloat16) and still learns to the smoke bound."""
+    from tutorial.bench.observe import run_observed
+    m = run_observed(train_single.main, TrainConfig.preset("smoke", precision="bf16"))
+    assert m["observed"]["dtypes"] == ["bfloat16"] and m["test_accuracy"] >= 0.95
 
 
-def test_grad_accum_and_clipping_run(tmp_path):
-    m = train_single.main(TrainConfig.preset("smoke", batch_size=16, grad_accum=2, clip_grad=1.0))
-    assert m["global_batch_size"] == 32 and m["test_accuracy"] >= 0.95
+def test_accumulation_in_one_process_matches_the_whole_batch(single_2b, tmp_path):
+    """Two micro-batches of 16 then a step (clipped) are one step on the batch of 32, under a warm-up and cosine lr:
+    the same sample order, the same weighting, the same lr per optimizer step. Negative control: the lr read at the
+    micro-batch's place in the epoch (as it was) parts from it."""
+    args = ["--epochs", "1", "--max-steps", "12", "--lr", "0.05", "--warmup-epochs", "0.3", "--clip-grad", "1.0"]
+    run(train_cmd("single", *args, "--batch-size", "32", "--out", tmp_path / "whole"))
+    run(train_cmd("single", *args, "--batch-size", "16", "--grad-accum", "2", "--out", tmp_path / "accum"))
+    assert metrics(tmp_path / "accum")["global_batch_size"] == 32 and metrics(tmp_path / "accum")["steps"] == 12
+    assert_same_params(tmp_path / "whole", tmp_path / "accum")
+    from tutorial.core import optim
+    loader = range(45)  # 45 micro-batches: 23 optimizer steps
+    assert [optim.epoch_progress(loader, i, 2) for i in (0, 1, 2, 44)] == [0.0, 0.0, 1 / 23, 22 / 23]
+    assert 1 / 45 != optim.epoch_progress(loader, 1, 2)  # the old mapping: micro-batch 1 at 1/45 of the epoch
 
 
 def test_target_accuracy_stops_early():

@@ -122,10 +122,6 @@ def init_process_group(world: World, device: torch.device, timeout: float = 300.
     if dist.is_initialized():
         return False
     backend = dist.get_default_backend_for_device(device) if backend == "auto" else backend
-    if backend == "nccl" and world.local_world_size > torch.cuda.device_count():
-        raise ConfigError(f"{world.local_world_size} processes on this node but {torch.cuda.device_count()} GPU(s): "
-                          "NCCL cannot put two ranks on one GPU; start at most one process per GPU, or use "
-                          "--backend gloo (slower) to share GPUs")
     global _chosen
     if (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")) == _chosen:
         # Our own choice for an earlier run in this process (a notebook kernel): its store may still hold the port.
@@ -135,12 +131,37 @@ def init_process_group(world: World, device: torch.device, timeout: float = 300.
     if not given:
         _chosen = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
     store = meet(world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
+    if backend == "nccl":
+        if device.type != "cuda":
+            raise ConfigError("backend nccl needs a CUDA GPU per rank and this rank has none; use --backend gloo")
+        refuse_shared_gpus(store, world, gpu_identity(device))
     # device_id binds the group to this rank's GPU: NCCL connects now, not at the first collective, and never
     # has to guess the device (a barrier's "devices used by this process are currently unknown" warning).
     dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.world_size,
                             timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if backend == "nccl" else None)
     return True
+
+
+def gpu_identity(device: torch.device) -> str:
+    """Which physical GPU this is: its host and UUID. An index says nothing across ranks: where a launcher binds one
+    GPU per task (Slurm --gpus-per-task=1, --gpu-bind), every rank sees its own GPU as cuda:0."""
+    props = torch.cuda.get_device_properties(device)
+    return f"{socket.gethostname()}/{getattr(props, 'uuid', None) or getattr(props, 'pci_bus_id', device.index)}"
+
+
+def refuse_shared_gpus(store: dist.Store, world: World, identity: str) -> None:
+    """NCCL cannot put two ranks of a group on one GPU. Every rank writes the identity of its GPU into the store and
+    reads the others', so all ranks refuse together, naming the ranks that would share one; ranks that each see
+    only their own GPU are fine, however many GPUs each of them sees."""
+    store.set(f"tutorial/gpu/{world.rank}", identity)
+    found: dict[str, list[int]] = {}
+    for r in range(world.world_size):
+        found.setdefault(store.get(f"tutorial/gpu/{r}").decode(), []).append(r)
+    shared = next((ranks for ranks in found.values() if len(ranks) > 1), None)
+    if shared:
+        raise ConfigError(f"ranks {', '.join(map(str, shared))} would use the same GPU: NCCL cannot put two ranks on "
+                          "one GPU; start at most one process per GPU, or use --backend gloo (slower) to share GPUs")
 
 
 def current_rank() -> int:

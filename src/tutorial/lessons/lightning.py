@@ -209,7 +209,7 @@ def check_early_stopping(stopper, module_cls=None, cluster=None) -> bool:
         from ..launch.engines import EngineTimeout, RankError
         with contextlib.ExitStack() as stack:
             if cluster is None:
-                cluster = stack.enter_context(engines.start(n=2, device="cpu", show=False))
+                cluster = stack.enter_context(engines.start(n=2, device="cpu", show=False, name="lightning-check"))
             try:
                 cluster.run(_stopping_trial, module_cls, stopper, timeout=180)
                 runs = list(cluster.results)

@@ -46,7 +46,7 @@ def choose_preset(**overrides) -> TrainConfig:
 # process) or SyncBatchNorm (NCCL only on GPUs): their ranks move to the CPU, sized for it, where GPUs are too few.
 SHARE_A_GPU = ("ddp", None)
 GPU_PRESETS = ("workshop", "benchmark")   # sized for GPUs: hours on CPU processes
-CPU_SIZES = "workshop-cpu"                # the same code paths sized for CPU processes
+CPU_SIZES = "smoke"                       # what CPU processes train instead: the real digits, in minutes
 
 
 @dataclass(frozen=True, repr=False)
@@ -66,6 +66,14 @@ class Allocation:
             return f"CUDA_VISIBLE_DEVICES={','.join(self.gpus)}"
         return "CUDA_VISIBLE_DEVICES=" if _visible_gpus() else ""  # nothing to hide on a CPU-only machine
 
+    @property
+    def script_env(self) -> str:
+        """For a launch of a script that picks NCCL whenever it sees a GPU (the usual DDP idiom; 03b's capstone): its
+        GPUs where there is one per rank, none where its ranks would share one (NCCL refuses that)."""
+        if self.backend == "nccl":
+            return self.env
+        return "CUDA_VISIBLE_DEVICES=" if _visible_gpus() else ""
+
     def __repr__(self) -> str:
         return self.line
 
@@ -76,15 +84,14 @@ def _visible_gpus() -> list[str]:
 
 
 def sized_for_cpu(cfg: TrainConfig) -> TrainConfig:
-    """A GPU preset's config with the workshop-cpu preset's sizes (epochs, batch, generated images): the same code
-    paths (ResNet-18, bf16, channels_last, loader workers) in minutes on CPU processes instead of hours."""
+    """A GPU preset's config for CPU processes: what the smoke preset sets differently from the GPU preset (the real
+    digits on the small CNN, fp32, its epochs, batch and lr), so that a one-GPU attendee whose ranks run on the CPU
+    sees them learn in a minute or two; what the notebook changed on top of its preset (out, quiet, ...) is kept."""
     if cfg.preset_name not in GPU_PRESETS:
         return cfg  # already sized for a CPU (smoke, workshop-cpu)
     base, cpu = TrainConfig.preset(cfg.preset_name), TrainConfig.preset(CPU_SIZES)
     sizes = {f.name: getattr(cpu, f.name) for f in dataclasses.fields(cpu)
-             if getattr(base, f.name) != getattr(cpu, f.name) and f.name in ("generated", "epochs", "batch_size",
-                                                                             "max_steps", "warmup_epochs", "dataset",
-                                                                             "model", "image_size", "synthetic")}
+             if getattr(base, f.name) != getattr(cpu, f.name) and f.name != "preset_name"}
     return cfg.replace(**sizes, preset_name=CPU_SIZES)
 
 
@@ -98,7 +105,7 @@ def allocation(ranks: int, cfg: TrainConfig | None = None, trainer: str | None =
 
     - this node's visible GPUs >= ranks: one rank per GPU, NCCL, the config as it is;
     - fewer GPUs (one GPU per attendee): the ranks share them over gloo with CUDA tensors, where `trainer` can
-      (SHARE_A_GPU); where it cannot, the ranks run on the CPU with the workshop-cpu preset's sizes;
+      (SHARE_A_GPU); where it cannot, the ranks run on the CPU with the smoke preset's sizes on the real digits;
     - no GPU: the CPU with gloo, and the preset choose_preset() picked (smoke unless $TUTORIAL_PRESET says otherwise).
 
     trainer: the stage the ranks train with (ddp, horovod, fsdp, deepspeed, lightning, tp, pp, 2d), None for a group
@@ -130,10 +137,11 @@ def allocation(ranks: int, cfg: TrainConfig | None = None, trainer: str | None =
                            f"allocation: {ranks} ranks share {named} over gloo with CUDA tensors (NCCL needs a GPU "
                            f"per rank); preset {cfg.preset_name}")
     elif gpus:
-        small = sized_for_cpu(cfg)
+        small = sized_for_cpu(cfg).replace(sync_bn=False)  # SyncBatchNorm works on CUDA tensors only
         alloc = Allocation(ranks, "cpu", "gloo", (), small,
                            f"allocation: {ranks} ranks on the CPU with gloo ({named}, fewer than the ranks, and "
-                           f"{who} cannot share a GPU over gloo); preset {small.preset_name}")
+                           f"{who} cannot share a GPU over gloo); preset {small.preset_name}: its sizes on the "
+                           "real digits, where learning shows" + ("; SyncBatchNorm off" if cfg.sync_bn else ""))
     else:
         alloc = Allocation(ranks, "cpu", "gloo", (), cfg,
                            f"allocation: {ranks} rank(s) on the CPU with gloo (no GPU visible); preset "
