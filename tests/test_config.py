@@ -7,8 +7,6 @@ import sys
 import pytest
 import torch
 
-from conftest import have_horovod
-
 from tutorial.core.config import ConfigError, TrainConfig, parse_args, to_argv
 
 CONFIGS = [
@@ -61,25 +59,8 @@ def test_the_refusal_is_one_line_and_exit_2_from_the_command_line():
                                         "train_horovod, train_lightning (leave it at its default here)"]
 
 
-# Every option is read or refused (issue 31): each trainer runs one epoch in a process of its own with a config that
-# notes which fields the trainer and the core read (reads inside config.py itself, such as validate() and to_dict(),
-# do not count), and every field must be read, refused there (ONLY_IN) or listed here with the reason.
-READ_FIELDS = """
-import dataclasses, json, sys, tempfile
-from tutorial.core.config import TrainConfig
-from tutorial import train_{stage} as trainer
-read = set()
-
-class Noted(TrainConfig):
-    def __getattribute__(self, name):
-        if not sys._getframe(1).f_code.co_filename.endswith(("/core/config.py", "/dataclasses.py")):
-            read.add({{"resume_path": "resume"}}.get(name, name))
-        return object.__getattribute__(self, name)
-
-cfg = TrainConfig.preset("smoke", epochs=1, out=tempfile.mkdtemp(), quiet=True)
-trainer.main(Noted(**{{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}}))
-print("READ " + json.dumps(sorted(read)))
-"""
+# Every option is read or refused (issue 31): tests/test_matrix.py runs each trainer once with a config that notes
+# which fields it reads (tutorial.bench.observe.fields_read) and asks ignored_options.
 NOT_READ_BY_DESIGN = {
     "data_dir": "read by core.data for the datasets on disk (mnist, cifar10, imagefolder), not for digits",
     "generated": "read by core.data for the datasets on disk, in place of their files",
@@ -87,20 +68,6 @@ NOT_READ_BY_DESIGN = {
     "preset_name": "a label in metrics.json, set by TrainConfig.preset",
     "lr_scaling": "a rule for N ranks: at world size 1 both settings give the same lr (single, dp)",
 }
-STAGES_READING = ["single", "dp", "ddp", "fsdp", "deepspeed", "lightning",
-                  pytest.param("horovod", marks=pytest.mark.skipif(not have_horovod(), reason="Horovod not built"))]
-
-
-@pytest.mark.parametrize("stage", STAGES_READING)
-def test_every_option_is_read_or_refused(stage, tmp_path):
-    import json
-
-    from conftest import PYTHON, run
-    script = tmp_path / "noted.py"
-    script.write_text(READ_FIELDS.format(stage=stage))
-    out = run([PYTHON, script], timeout=300).stdout
-    read = set(json.loads(out.split("READ ", 1)[1]))
-    assert ignored_options(stage, read) == set(), f"train_{stage} accepts and never reads these"
 
 
 def ignored_options(stage: str, read: set) -> set:

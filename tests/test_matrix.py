@@ -190,6 +190,23 @@ def test_the_matrix_can_fail(reference, cluster, tmp_path):
         assert difference > 100 * FP32_TOL, what
 
 
+@pytest.mark.parametrize("stage", ["single", "dp", *(pytest.param(c.values[0], marks=c.marks, id=c.values[0])
+                                                     for c in CASES if c.values[1] == "clip_grad")])
+def test_every_option_is_read_or_refused(stage, request, tmp_path):
+    """Each trainer runs one epoch with a config that notes which fields it (and the core) reads: every field is
+    read, refused by the trainer (config.ONLY_IN) or unread by design (test_config.NOT_READ_BY_DESIGN, with the
+    reason). train_lightning accepted --time-steps and left it unused, train_dp --compile for nothing."""
+    from test_config import ignored_options
+    from tutorial.bench.observe import fields_read
+    cfg = BASE.replace(schedule="cosine", warmup_epochs=0.5, out=str(tmp_path), quiet=True)  # both lr branches
+    main = importlib.import_module(f"tutorial.train_{stage}").main
+    if stage in ("single", "dp"):
+        read = fields_read(main, cfg)
+    else:
+        read = request.getfixturevalue("mpi_engines" if stage == "horovod" else "cluster").run(fields_read, main, cfg)
+    assert ignored_options(stage, set(read)) == set(), f"train_{stage} accepts and never reads these"
+
+
 def test_micro_batch_weight_counts_samples_in_the_group():
     sampler = range(719)  # one rank's share of digits' 1,438 training samples
     loader = torch.utils.data.DataLoader(sampler, batch_size=16, sampler=sampler)

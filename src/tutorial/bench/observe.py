@@ -51,3 +51,23 @@ def run_observed(main, cfg, compile_backend: str | None = None) -> dict:
     metrics["observed"] = {"dtypes": sorted(dtypes), "channels_last": sorted(layouts),
                            "compiled_graphs": int(counters["stats"]["unique_graphs"])}
     return metrics
+
+
+def fields_read(main, cfg) -> list[str]:
+    """The TrainConfig fields that main(cfg) and the core read, for the check that every option is read or refused
+    (tests/test_matrix.py). Reads inside config.py itself (validate, to_dict, check_stage) and by dataclasses do not
+    count: they read every field."""
+    import dataclasses
+    import sys
+
+    read = set()
+    own = type(cfg)
+
+    class Noted(own):
+        def __getattribute__(self, name):
+            if not sys._getframe(1).f_code.co_filename.endswith(("/core/config.py", "/dataclasses.py")):
+                read.add({"resume_path": "resume"}.get(name, name))
+            return object.__getattribute__(self, name)
+
+    main(Noted(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}))
+    return sorted(read)
