@@ -172,6 +172,8 @@ def test_the_command_line_accepts_the_standalone_example(tmp_path):
     ([str(STANDALONE), "--max-seconds", "0"], "--max-seconds 0.0 is not allowed"),
     ([str(STANDALONE), "--max-steps", "0"], "--max-steps 0 is not allowed"),
     ([str(STANDALONE), "--out", str(ROOT / "src")], "is not an empty folder"),
+    ([str(STANDALONE), "--nproc", "two"], "argument --nproc: invalid int value: 'two'"),
+    ([], "the following arguments are required: script"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, named, capsys):
     assert cd.main(argv) == 2

@@ -469,9 +469,9 @@ def _write_findings(run: dict, nproc: int):
     for path, who in writers.items():
         if len(who) > 1:
             findings.append(Finding("every-rank-writes", f"{_ranks(r for r, _ in who)} all wrote "
-                                    f"{os.path.basename(path)}: the replicas are identical, so rank 0 alone writes (`if dist.get_rank() == 0:`, "
-                                    "then dist.barrier() before anyone reads it); several writers on one path can "
-                                    "corrupt it", _location(who[0][1])))
+                                    f"{os.path.basename(path)}: the replicas are identical, so rank 0 alone writes "
+                                    "(`if dist.get_rank() == 0:`, then dist.barrier() before anyone reads it); several "
+                                    "writers on one path can corrupt it", _location(who[0][1])))
             break
     for rank, rep in sorted(run["reports"].items()):
         for save in rep["wrapper_saves"]:
@@ -499,12 +499,16 @@ def lr_findings(reports: dict, probe: dict | None, nproc: int) -> list[Finding]:
 
 def _metric_findings(run: dict, nproc: int):
     for rank, rep in sorted(run["reports"].items()):
-        lines = rep["metric_lines"]
+        # A line printed right after batches of a DistributedSampler's shard, by a rank that never reduces anything
+        # (logging a batch's loss on rank 0 is fine where the epoch's metrics are reduced; so is rank 0 alone
+        # evaluating on a loader of all the data).
+        lines = [m for m in rep["metric_lines"] if m["sharded"] and not m["reduced_since_batch"]]
         if lines and rep["reductions"] == 0:
             line = lines[0]
-            return [Finding("unreduced-metrics", f"rank {rank} printed {line['text'].strip()[:60]!r} but no rank "
-                            "reduced a value across the ranks: it is this rank's own share of the data; sum the "
-                            "metric and its count with dist.all_reduce before printing it",
+            return [Finding("unreduced-metrics", f"rank {rank} printed {line['text'].strip()[:60]!r} after batches of "
+                            "its shard, and the script never reduces a value across the ranks: it is this rank's "
+                            "own share of the data; sum the metric and its count with dist.all_reduce before "
+                            "printing it",
                             _location(line["where"]))], []
     return [], []
 
@@ -551,12 +555,18 @@ def _teardown_findings(run: dict, nproc: int):
 
 
 # ------------------------------------------------------------------------------------------------------------- CLI
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every bad input of the workbook (argparse adds its usage)
+        self.exit(2, f"error: {message} (usage: {self.usage})\n")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     script_args = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(prog="tutorial check-ddp", description=__doc__.splitlines()[0],
-                                     usage="tutorial check-ddp SCRIPT [options] [-- SCRIPT_ARGS...]")
+    parser = _OneLineParser(prog="tutorial check-ddp", usage="tutorial check-ddp SCRIPT [options] [-- SCRIPT_ARGS...]",
+                            description="Run your DDP training script, unchanged, under torchrun and say what is "
+                            "wrong with it, from what its ranks did. Exit 0: nothing wrong, 1: findings, 2: bad input.")
     parser.add_argument("script", help="your training script, run unchanged")
     parser.add_argument("--nproc", type=int, default=2, help="ranks to start (default 2)")
     parser.add_argument("--max-seconds", type=float, default=120.0,

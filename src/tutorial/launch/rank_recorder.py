@@ -74,7 +74,7 @@ class Recorder:
                        "sync_forwards": [], "forward_where": None, "writes": [], "write_paths": [],
                        "wrapper_saves": [], "metric_lines": [], "reductions": 0, "aug": None}
         self._ddp, self._optimizers, self._samplers, self._loaders = [], {}, {}, {}
-        self._forwards_since_step, self._batches, self._last_loader = 0, 0, None
+        self._forwards_since_step, self._batches, self._last_loader, self._reductions_at_batch = 0, 0, None, 0
         self._fetches_left = FETCHES_WATCHED
         self._keep = []  # the samplers and loaders recorded, kept alive so that their ids stay theirs
         self._stop_at = None
@@ -187,7 +187,7 @@ class Recorder:
                 entry = report["loaders"].get(key)
                 if entry is None:
                     entry = report["loaders"][key] = {
-                        "sampler": type(self.sampler).__name__, "distributed": rec._distributed_sampler(self),
+                        "sampler": type(self.sampler).__name__,
                         "dataset": rec._fingerprint(self.dataset), "epochs": [], "n_epochs": 0, "trained": False,
                         "where": rec.where(), **rec._sharding(self)}
                 entry["n_epochs"] += 1
@@ -211,7 +211,7 @@ class Recorder:
             def recording(self):
                 batch = original(self)
                 key, _ = getattr(self, "_check_ddp", (None, None))
-                rec._last_loader, rec._batches = key, rec._batches + 1
+                rec._last_loader, rec._batches, rec._reductions_at_batch = key, rec._batches + 1, report["reductions"]
                 return batch
             return recording
 
@@ -292,9 +292,11 @@ class Recorder:
         def recording_print(*args, **kwargs):
             if kwargs.get("file") in (None, sys.stdout, sys.stderr) and len(report["metric_lines"]) < KEEP_LINES:
                 text = " ".join(str(a) for a in args)
-                if METRIC.search(text):
-                    report["metric_lines"].append({"text": text[:200], "where": rec.where(),
-                                                   "reductions_before": report["reductions"]})
+                if METRIC.search(text):  # from a shard of the data (the last batch was), not reduced since?
+                    loader = report["loaders"].get(rec._last_loader) or {}
+                    report["metric_lines"].append({
+                        "text": text[:200], "where": rec.where(), "sharded": bool(loader.get("distributed")),
+                        "reduced_since_batch": report["reductions"] > rec._reductions_at_batch})
             return print_(*args, **kwargs)
 
         builtins.print = recording_print
@@ -306,19 +308,14 @@ class Recorder:
             self._keep.append(obj)
         return keys[id(obj)]
 
-    def _distributed_sampler(self, loader) -> bool:
-        from torch.utils.data.distributed import DistributedSampler
-        samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
-        return any(isinstance(s, DistributedSampler) for s in samplers)
-
     def _sharding(self, loader) -> dict:
         """A DistributedSampler's rank and world size, and how many samples it repeats to even out the ranks."""
         from torch.utils.data.distributed import DistributedSampler
         s = next((s for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
                   if isinstance(s, DistributedSampler)), None)
         if s is None:
-            return {"padding": 0}
-        return {"padding": max(0, s.total_size - len(s.dataset)), "sampler_rank": s.rank,
+            return {"distributed": False, "padding": 0}
+        return {"distributed": True, "padding": max(0, s.total_size - len(s.dataset)), "sampler_rank": s.rank,
                 "num_replicas": s.num_replicas}
 
     def _fingerprint(self, dataset) -> list:
