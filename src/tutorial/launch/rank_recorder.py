@@ -400,7 +400,7 @@ class Recorder:
             if entry["index"] is None:
                 continue
             outside = [p for g in entry["object"].param_groups for p in g["params"] if id(p) not in inside]
-            if outside:
+            if outside and self.report["optimizers"][entry["index"]]["outside_ddp"]:
                 sums[f"optimizer{entry['index']}"] = _digest(outside)
         return sums
 
@@ -413,10 +413,13 @@ class Recorder:
         lr = float(group.get("initial_lr", group.get("lr", float("nan"))))  # a scheduler's warm-up starts lower
         inside = self._ddp_parameters()
         outside = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in inside]
+        if any(type(p).__name__ in ("FlatParameter", "DTensor") or getattr(p, "_is_sharded", False) for p in outside):
+            outside = []  # FSDP's or a DeviceMesh's shards: different on every rank by design, not compared
         self.report["lrs"].append(float(group.get("lr", float("nan"))))
-        self.report["optimizers"].append({
-            "where": entry["where"], "type": type(optimizer).__name__, "lr": lr, "outside_ddp": len(outside),
-            "outside_shapes": [list(p.shape) for p in outside[:3]], "first": self._checksums()})
+        record = {"where": entry["where"], "type": type(optimizer).__name__, "lr": lr, "outside_ddp": len(outside),
+                  "outside_shapes": [list(p.shape) for p in outside[:3]]}
+        self.report["optimizers"].append(record)
+        record["first"] = self._checksums()  # the weights the first step starts from
         if self.lr_probe:
             self.report["end"] = "lr-probe"
             raise StopRun(0)
