@@ -215,7 +215,9 @@ def test_sigterm_saves_mid_epoch_and_the_resumed_run_equals_an_uninterrupted_one
 def test_sigterm_to_torchrun_stops_every_ddp_rank_at_the_same_step_and_resumes(tmp_path):
     args = ["--preset", "smoke", "--epochs", "3", "--log-every", "2", "--out", tmp_path]
     stopped = stopped_by_sigterm(torchrun_cmd(2, "ddp", *args), tmp_path)
-    assert stopped.returncode == 143, stopped.stderr[-2000:]  # what a scheduler reads as "stopped by SIGTERM"
+    # Each rank exits 143; torchrun itself turns its own SIGTERM into a SignalException and exits 1 (not 0: a
+    # scheduler must not read the stopped job as finished).
+    assert stopped.returncode == 1 and "SignalException" in stopped.stderr, stopped.stderr[-2000:]
     said = [line for line in stopped.stderr.splitlines() if line.startswith("stopped: SIGTERM")]
     assert len(said) == 2 and said[0] == said[1], stopped.stderr[-3000:]  # both ranks, the same epoch/batch/step
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["batch"] > 0

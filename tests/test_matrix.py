@@ -13,10 +13,11 @@ option (parameters after the epoch's 23 optimizer steps, and the test loss, Ligh
 - clip_grad 0.1 (below the gradient norm of every step, so every step clips), channels_last: 2 ranks x 32.
 - bf16: 2 ranks x 32. Autocast's bf16 rounds differently for a batch of 32 than for 64, so DDP is held to a looser
   tolerance against one process, and every other trainer to DDP's bf16 run at the same 2 x 32.
-- compile: every trainer that accepts --compile. DDP's case compiles with inductor, as users get it (about two
-  minutes of C++ on 2 cores); the others with dynamo's aot_eager backend (the same graph capture and autograd, no
-  code generation), since what they test is that the trainer hands its model to torch.compile and trains with
-  what comes back; gpu-check compiles every trainer with inductor on a GPU.
+- compile: every trainer that accepts --compile, with dynamo's aot_eager backend (the same graph capture and
+  AOTAutograd, no code generation): what the cases test is that the trainer hands its model to torch.compile and
+  trains with what comes back. Inductor's C++ took 147 s for one process on 2 cores (2026-11-26), so its code
+  generation is left to make gpu-check (single-compile, ddp-nccl-N-compile, on a GPU). These cases found that
+  torch.compile(DDP(model)) compiled nothing (it graph-breaks at DDP's forward), and FSDP's whole-model compile too.
 
 Numbers alone cannot tell an option that was ignored (channels_last and compile give the same weights as plain fp32),
 so every run is observed from inside (tutorial.bench.observe): bf16 runs must compute in bfloat16 and fp32 runs in
@@ -69,12 +70,19 @@ CASES = [pytest.param(t, o, id=f"{t}-{o}", marks=[needs_mpi, needs_horovod] if t
          for t in TRAINERS for o in OPTIONS]
 
 
-def expected_observation(cfg) -> dict:
+# FSDP, DeepSpeed and Horovod convert only the inputs under --channels-last (FSDP2 and ZeRO take contiguous
+# parameters, Horovod 0.28's all-reduce rejects NHWC gradients): on 3-channel images the first convolution then runs
+# NHWC and hands NHWC on, but a 1-channel digit is NCHW and NHWC at once, so on the digits nothing changes for them
+# (measured: every convolution NCHW) and their case compares the numbers only. DDP and Lightning convert the model.
+INPUTS_ONLY = ("fsdp", "deepspeed", "horovod")
+
+
+def expected_observation(cfg, stage: str = "ddp") -> dict:
     """What a run of cfg must have computed, by the hooks of tutorial.bench.observe."""
     if cfg.compile:
         return {"compiled": True}
-    return {"dtypes": ["bfloat16" if cfg.precision == "bf16" else "float32"], "channels_last": [cfg.channels_last],
-            "compiled": False}
+    return {"dtypes": ["bfloat16" if cfg.precision == "bf16" else "float32"],
+            "channels_last": [cfg.channels_last and stage not in INPUTS_ONLY], "compiled": False}
 
 
 def observation(metrics: dict) -> dict:
@@ -117,7 +125,7 @@ def reference(tmp_path_factory, cluster):
 
 def run_distributed(request, stage: str, cfg) -> dict:
     engines_ = request.getfixturevalue("mpi_engines" if stage == "horovod" else "cluster")
-    backend = "aot_eager" if cfg.compile and stage != "ddp" else None  # inductor for DDP only (docstring)
+    backend = "aot_eager" if cfg.compile else None  # inductor is gpu-check's (docstring)
     main = importlib.import_module(f"tutorial.train_{stage}").main
     return engines_.run(run_observed, main, cfg, backend)
 
@@ -135,7 +143,7 @@ def test_trainer_option_matches_one_process_at_the_global_batch(stage, option, r
     assert m["world_size"] == 2 and m["global_batch_size"] == GLOBAL_BATCH and m["steps"] == 23
     assert m["replicas_identical"], m["replica_checksums"]
     assert 1.0 >= m["test_top5_accuracy"] >= m["test_accuracy"] > 0.5  # seed 001's top-5, in every trainer
-    assert observation(m) == expected_observation(cfg), m["observed"]
+    assert observation(m) == expected_observation(cfg, stage), m["observed"]
     difference = max_difference(tmp_path, single)
     loss_gap = abs(m["test_loss"] - single_metrics["test_loss"])
     if option == "bf16" and stage != "ddp":

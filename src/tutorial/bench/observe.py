@@ -33,11 +33,20 @@ def run_observed(main, cfg, compile_backend: str | None = None) -> dict:
             layouts.add(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
 
     compile_ = torch.compile
+    graphs = []  # every graph handed to the backend (under DDP one per bucket: dynamo's stats miss those)
+
+    def counted_backend(gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+        graphs.append(len(gm.graph.nodes))
+        return lookup_backend(compile_backend)(gm, example_inputs)
 
     @functools.wraps(compile_)
     def compile_with_backend(*args, **kwargs):
-        return compile_(*args, **{**kwargs, "backend": compile_backend})
+        return compile_(*args, **{**kwargs, "backend": counted_backend})
 
+    # A fresh start for dynamo too: code compiled by an earlier run in this process (an engine serves many) would be
+    # reused, or past its recompile limit left eager, and this run would show no graphs of its own.
+    torch._dynamo.reset()
     counters.clear()
     handle = None if cfg.compile else register_module_forward_hook(watch)
     if compile_backend:
@@ -49,7 +58,7 @@ def run_observed(main, cfg, compile_backend: str | None = None) -> dict:
         if handle is not None:
             handle.remove()
     metrics["observed"] = {"dtypes": sorted(dtypes), "channels_last": sorted(layouts),
-                           "compiled_graphs": int(counters["stats"]["unique_graphs"])}
+                           "compiled_graphs": max(int(counters["stats"]["unique_graphs"]), len(graphs))}
     return metrics
 
 
