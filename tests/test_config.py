@@ -57,36 +57,3 @@ def test_the_refusal_is_one_line_and_exit_2_from_the_command_line():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == ["error: --sync-bn True is not used by train_single; it works in train_ddp, "
                                         "train_horovod, train_lightning (leave it at its default here)"]
-
-
-# Every option is read or refused (issue 31): tests/test_matrix.py runs each trainer once with a config that notes
-# which fields it reads (tutorial.bench.observe.fields_read) and asks ignored_options.
-NOT_READ_BY_DESIGN = {
-    "data_dir": "read by core.data for the datasets on disk (mnist, cifar10, imagefolder), not for digits",
-    "generated": "read by core.data for the datasets on disk, in place of their files",
-    "image_size": "read by core.data for synthetic and imagefolder images",
-    "preset_name": "a label in metrics.json, set by TrainConfig.preset",
-    "lr_scaling": "a rule for N ranks: at world size 1 both settings give the same lr (single, dp)",
-}
-
-
-def ignored_options(stage: str, read: set) -> set:
-    """Fields train_<stage> neither reads nor refuses (nor are unread by design); a field it refuses yet reads is
-    reported too (the refusal would be wrong)."""
-    import dataclasses
-
-    from tutorial.core.config import ONLY_IN
-    refused = {name for name, stages in ONLY_IN.items() if stage not in stages}
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    return (fields - read - refused - set(NOT_READ_BY_DESIGN)) | (read & refused)
-
-
-def test_the_option_check_can_fail():
-    """An option a trainer accepts but never reads (as train_lightning did with --time-steps), and one it refuses
-    but reads, are both reported."""
-    import dataclasses
-    everything = {f.name for f in dataclasses.fields(TrainConfig)}
-    read_by_ddp = everything - {"fp16_allreduce", "zero_stage", *NOT_READ_BY_DESIGN}
-    assert ignored_options("ddp", read_by_ddp) == set()
-    assert ignored_options("ddp", read_by_ddp - {"time_steps"}) == {"time_steps"}
-    assert ignored_options("ddp", read_by_ddp | {"zero_stage"}) == {"zero_stage"}
