@@ -2,6 +2,8 @@
 naming the mistake (clipping scaled gradients; fp16 gradients underflowing without a GradScaler)."""
 from __future__ import annotations
 
+import pytest
+import torch
 from conftest import skeleton
 
 from tutorial.lessons import mixed_precision as lesson
@@ -81,3 +83,17 @@ def test_exercise_2_names_scaled_gradients_reaching_the_optimizer():
     scaler.update()""")
     verdict = lesson.check_fp16_step(update_without_step)
     assert verdict.startswith("wrong: it raised AssertionError") and "call it instead of optimizer.step()" in verdict
+
+
+def test_round_mantissa_is_bf16_at_7_bits_and_fp16_at_10_within_fp16_range():
+    """The TF32 emulation of 04: rounding to 7 bits must equal PyTorch's own bf16 rounding and to 10 bits fp16's (for
+    values inside fp16's normal range, where only the mantissa differs); truncating instead of rounding fails this."""
+    torch.manual_seed(0)
+    x = torch.randn(10_000)
+    assert torch.equal(lesson.round_mantissa(x, 7), x.bfloat16().float())
+    assert torch.equal(lesson.round_mantissa(x[x.abs() > 1e-4], 10), x[x.abs() > 1e-4].half().float())
+    assert torch.equal(lesson.round_mantissa(x, 23), x)
+    truncated = (x.view(torch.int32) & ~((1 << 13) - 1)).view(torch.float32)  # the negative control
+    assert not torch.equal(truncated, x.half().float())
+    with pytest.raises(ValueError, match="bits must be 1 to 23"):
+        lesson.round_mantissa(x, 0)

@@ -180,3 +180,75 @@ def check_bus_bandwidth(bus_bandwidth) -> str:
             return f"wrong: {where}. Multiply algbw by 2(n-1)/n, do not divide"
         return f"wrong: {where}. busbw = size / time x 2(n-1)/n, in 1e9 bytes/s"
     return "correct: busbw = algbw x 2(n-1)/n on 1 to 16 processes (1x algbw at 2 processes, 1.75x at 8, 0 on one)"
+
+
+# Peak dense tensor-core throughput in FLOP/s (no 2:4 sparsity), from the vendors' datasheets: NVIDIA A100 Tensor Core
+# GPU datasheet (2020-21: bf16/fp16 312 TFLOPS, TF32 156) and NVIDIA H100 Tensor Core GPU datasheet (2023: SXM bf16/fp16
+# 989 TFLOPS, TF32 495; PCIe 756 and 378; NVL 835 and 418); the H200 datasheet gives the H100 SXM's figures. The
+# datasheets print twice these numbers "with sparsity"; training uses dense matrices. Longest name first.
+PEAK_TFLOPS = {  # name as torch.cuda.get_device_name contains it: {dtype: TFLOP/s}
+    "H100 PCIe": {"bf16": 756, "tf32": 378},
+    "H100 NVL": {"bf16": 835, "tf32": 418},
+    "H100": {"bf16": 989, "tf32": 495},   # SXM5 ("NVIDIA H100 80GB HBM3")
+    "H200": {"bf16": 989, "tf32": 495},
+    "A100": {"bf16": 312, "tf32": 156},
+}
+PEAK_SOURCE = "NVIDIA's A100, H100 and H200 datasheets, dense (half the 'with sparsity' figures)"
+
+
+def peak_flops(device: torch.device, dtype: str = "bf16") -> float | None:
+    """The device's datasheet peak in FLOP/s for `dtype` ("bf16" or "tf32"), or None where it is not known (a CPU,
+    a GPU not in PEAK_TFLOPS)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in name:
+            return peaks[dtype] * 1e12
+    return None
+
+
+def cpu_peak_estimate(cores: int, ghz: float, flops_per_cycle: int = 32) -> float:
+    """An estimate, not a datasheet value: cores x clock x FLOPs per cycle per core. 32 = two AVX2 FMA units x 8 fp32
+    lanes x 2 FLOPs per multiply-add (an AVX-512 core with two FMA units does 64)."""
+    return cores * ghz * 1e9 * flops_per_cycle
+
+
+# (forward FLOPs of one batch, batch size, samples/s, peak FLOP/s) and the MFU they give: an H100 step of a model of
+# 10 GFLOP forward per sample at 12,000 samples/s, an A100 step, and a CPU core's.
+MFU_CASES = [(10e9 * 256, 256, 12_000, 989e12), (4.1e9 * 64, 64, 2_600, 312e12), (2.4e6 * 32, 32, 4_000, 64e9)]
+
+
+def solution_mfu(batch_forward_flops: float, batch_size: int, samples_per_second: float, peak: float) -> float:
+    """Model FLOPs utilisation, a fraction: FLOPs one sample's training step needs (forward x 3: the backward pass
+    costs about twice the forward) times samples/s, over the device's peak FLOP/s."""
+    flops_per_sample = 3 * batch_forward_flops / batch_size
+    return flops_per_sample * samples_per_second / peak
+
+
+def check_mfu(mfu) -> str:
+    """Run the learner's mfu(batch_forward_flops, batch_size, samples_per_second, peak) on MFU_CASES."""
+    for flops, batch, rate, peak in MFU_CASES:
+        try:
+            got = float(mfu(flops, batch, rate, peak))
+        except Exception as exc:  # noqa: BLE001
+            return f"wrong: mfu({flops:g}, {batch}, {rate:g}, {peak:g}) failed: {describe(exc)}"
+        want = solution_mfu(flops, batch, rate, peak)
+        if _close(got, want):
+            continue
+        where = (f"{flops / batch / 1e9:g} GFLOP forward per sample, {rate:,} samples/s, peak {peak / 1e12:g} TFLOP/s: "
+                 f"you return {got:.4g}, expected {want:.4g}")
+        if _close(got, want / 3):
+            return (f"wrong: {where}. You counted the forward pass only; training also runs the backward pass, about "
+                    f"twice the forward's FLOPs (the gradients of the inputs and of the weights): x3")
+        if _close(got, want * batch) or _close(got, want * batch / 3):
+            return (f"wrong: {where}. FlopCounterMode counted the whole batch of {batch}: divide by the batch size "
+                    f"to get FLOPs per sample, then multiply by samples/s")
+        if _close(got, 100 * want):
+            return f"wrong: {where}. Return a fraction (0.4), not a percentage (40)"
+        if _close(got, want / 2) or _close(got, 2 * want):
+            return (f"wrong: {where}. FlopCounterMode already counts 2 FLOPs per multiply-add: do not halve or "
+                    f"double it")
+        return f"wrong: {where}. MFU = 3 x forward FLOPs per sample x samples/s / peak FLOP/s"
+    h100 = solution_mfu(*MFU_CASES[0])
+    return f"correct: MFU = 3 x forward FLOPs per sample x samples/s / peak (the H100 case: {h100:.0%})"

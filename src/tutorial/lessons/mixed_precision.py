@@ -1,5 +1,6 @@
 """04_mixed_precision: number formats and their picture, GradScaler's reaction to inf/nan, a speed comparison, and the
-exercises' checkers and solutions (clipping without unscale_, fp16 without loss scaling)."""
+exercises' checkers and solutions (clipping without unscale_, fp16 without loss scaling); TF32's input rounding,
+emulated on a CPU (round_mantissa)."""
 from __future__ import annotations
 
 import copy
@@ -273,3 +274,18 @@ def solution_fp16_step(model, optimizer, scaler, X, y):
     scaler.step(optimizer)                          # unscaled in fp32, then optimizer.step()
     scaler.update()
     optimizer.zero_grad()
+
+
+def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x as fp32 with its mantissa rounded (to nearest, ties to even) to `bits` bits, the exponent kept: 10 bits is
+    what a TF32 tensor core reads of an fp32 input, 7 is bf16. An emulation of the inputs' rounding only: a GPU then
+    multiplies and accumulates in fp32, which adds fp32's own small error. For finite values below about 3e38."""
+    if not 0 < bits <= 23:
+        raise ValueError(f"bits must be 1 to 23 (fp32 has 23 mantissa bits), not {bits}")
+    x = x.float().contiguous()
+    drop = 23 - bits
+    if drop == 0:
+        return x.clone()
+    i = x.view(torch.int32)
+    i = i + ((i >> drop) & 1) + (1 << (drop - 1)) - 1  # round half to even on the bits that are dropped
+    return (i & ~((1 << drop) - 1)).view(torch.float32)
