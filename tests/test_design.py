@@ -18,23 +18,35 @@ OTHER_TRAINERS = ["train_lightning"]
 
 
 def untagged_additions(old_text: str, new_text: str, tag: str) -> list[str]:
-    """Lines a stage adds over train_single.py that carry no tag. A tag covers a block, as accelerate's examples tag
-    theirs: a tagged comment line covers the added lines after it up to the next blank line, and a tagged statement
-    its continuation lines (until its brackets close). Also exempt: the module docstring and blank lines."""
+    """Lines a stage changes over its parent that no tag explains: added lines without one, and parent lines it
+    removes without putting anything in their place. A tag covers a block, as accelerate's examples tag theirs: a
+    tagged comment line covers the changed lines after it up to the next blank line; a tagged statement covers its
+    continuation lines (until its brackets close) and, if it opens a block (`if ...:`, `try:`), the block's body and
+    its `except`/`finally` clauses. Also exempt: the module docstring and blank lines."""
     old, new = old_text.splitlines(), new_text.splitlines()
     docstring_end = next(i for i, line in enumerate(new) if i > 0 and line.rstrip().endswith('"""'))
     bad = []
-    for op, _, _, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
+        if op == "delete":
+            bad += [f"removed line {i + 1}: {old[i].strip()}" for i in range(i1, i2) if old[i].strip()]
         if op not in ("replace", "insert"):
             continue
         block, depth = j1 > 0 and new[j1 - 1].strip().startswith(tag), 0  # a tagged comment just above the hunk
+        body = None  # the indent of a tagged statement that opened a block: deeper lines are its body
         for j in range(j1, j2):
             line, code = new[j], new[j].split("#")[0]
             if not line.strip():
                 block, depth = False, 0
                 continue
-            covered = j <= docstring_end or tag in line or block or depth > 0
+            indent = len(line) - len(line.lstrip())
+            in_body = body is not None and (indent > body or (indent == body and re.match(
+                r"\s*(except|finally|else|elif)\b", line) is not None))
+            if not in_body:
+                body = None
+            covered = j <= docstring_end or tag in line or block or depth > 0 or in_body
             block = block or line.strip().startswith(tag)
+            if tag in line and code.rstrip().endswith(":"):
+                body = indent
             depth = max(depth + code.count("(") + code.count("[") + code.count("{")
                         - code.count(")") - code.count("]") - code.count("}"), 0) if covered else 0
             if not covered:
@@ -51,13 +63,48 @@ def test_every_added_line_is_tagged(stage):
     assert untagged_additions(read("train_single"), read(stage), STAGES[stage]) == []
 
 
+# The model-parallel stages: each is a diff of the one before it (base, tag): train_gpt is one process.
+MODEL_PARALLEL_STAGES = {"train_tp": ("train_gpt", "# TP"), "train_pp": ("train_gpt", "# PP"),
+                         "train_2d": ("train_tp", "# 2D")}
+
+
+@pytest.mark.parametrize("stage", list(MODEL_PARALLEL_STAGES))
+def test_every_model_parallel_line_is_tagged(stage):
+    base, tag = MODEL_PARALLEL_STAGES[stage]
+    assert untagged_additions(read(base), read(stage), tag) == []
+
+
 def test_the_tag_check_catches_an_untagged_line():
     sneaky = read("train_ddp").replace("    model.train()\n", "    model.train()\n    model.requires_grad_(True)\n")
     assert [line.split(": ", 1)[1] for line in untagged_additions(read("train_single"), sneaky, "# DDP")] == \
         ["model.requires_grad_(True)"]
 
 
-@pytest.mark.parametrize("stage", ["train_single", *STAGES, *OTHER_TRAINERS])
+def test_a_tagged_block_covers_its_body_only():
+    """A tagged `if`/`try` covers the lines indented under it, and nothing after the block ends."""
+    ddp = read("train_ddp")
+    assert "    finally:\n        teardown(created)\n" in ddp  # the try block's clause, covered by the try's tag
+    sneaky = ddp.replace("    finally:\n        teardown(created)\n",
+                         "    finally:\n        teardown(created)\n    print(created)\n")
+    assert [line.split(": ", 1)[1] for line in untagged_additions(read("train_single"), sneaky, "# DDP")] == \
+        ["print(created)"]
+
+
+def test_the_tag_check_catches_a_removed_line():
+    quiet = read("train_ddp").replace("        if checkpoint.trained_before(state, i):", "        if False:")
+    quiet = quiet.replace("    model.train()\n", "")
+    found = untagged_additions(read("train_single"), quiet, "# DDP")
+    assert [line.split(": ", 1)[1].split("  #")[0] for line in found] == ["model.train()", "if False:"], found
+
+
+def test_the_model_parallel_tag_check_catches_an_untagged_line():
+    sneaky = read("train_2d").replace("    optimizer.step()\n", "    optimizer.step()\n    model.zero_grad()\n")
+    assert [line.split(": ", 1)[1] for line in untagged_additions(read("train_tp"), sneaky, "# 2D")] == \
+        ["model.zero_grad()"]
+
+
+@pytest.mark.parametrize("stage", ["train_single", *STAGES, *OTHER_TRAINERS, "train_gpt",
+                                   *MODEL_PARALLEL_STAGES])
 def test_trainers_stay_small(stage):
     lines = read(stage).splitlines()
     assert len(lines) <= 180, f"{stage}.py has {len(lines)} lines; a stage should read top to bottom"
@@ -66,8 +113,9 @@ def test_trainers_stay_small(stage):
 @pytest.mark.parametrize("stage", ["train_single", *STAGES])
 def test_trainers_share_the_skeleton(stage):
     text = read(stage)
-    for name in ("def setup(", "def build(", "def train_one_epoch(", "def evaluate(", "def main(cfg: TrainConfig)",
-                 'if __name__ == "__main__":', "for X, y in", "for epoch in range("):
+    for name in ("def setup(", "def build(", "def train_one_epoch(loop: Loop", "def evaluate(loop: Loop",
+                 "def fit(loop: Loop", "def main(cfg: TrainConfig, build=build)", 'if __name__ == "__main__":',
+                 "for X, y in", "for epoch in range("):
         assert name in text, f"{stage}.py lacks {name!r}"
 
 
@@ -138,7 +186,7 @@ def test_ci_runs_the_readme_test_command():
 # what learners read and copy, so they must never depend on notebook helpers, launchers or benchmarks.
 ALLOWED = {
     "core": {"core"},
-    "train": {"core"},
+    "train": {"core", "train"},  # train_2d builds on train_tp's plan (a diff of it); a circle still fails
     "launch": {"core", "train", "launch"},
     "bench": {"core", "train", "launch", "bench"},
     "cli": {"core", "train", "launch", "bench", "cli"},

@@ -130,3 +130,16 @@ def test_an_option_the_trainer_would_ignore_is_refused_in_one_line(stage, flag):
     proc = run(train_cmd(stage, flag, value), check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith(f"error: {flag} {value} is not used by train_{stage}; it works in train_")
+
+
+def test_the_one_process_trainer_runs_and_learns(tmp_path):
+    """train_gpt, the file train_tp and train_pp are diffs of, runs on its own (python -m) and lowers the loss; it
+    refuses what only the parallel trainers read."""
+    run(train_cmd("gpt", "--steps", "30", "--out", tmp_path / "gpt"))
+    import json
+    metrics = json.loads((tmp_path / "gpt" / "metrics.json").read_text())
+    assert metrics["strategy"] == "gpt" and len(metrics["losses"]) == 30
+    assert metrics["losses"][-1] < 0.8 * metrics["losses"][0], metrics["losses"]
+    assert (tmp_path / "gpt" / "model.pt").exists()
+    bad = run(train_cmd("gpt", "--tp", "4"), check=False)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --tp 4 is not used by train_gpt")

@@ -14,70 +14,38 @@ data parallel (FSDP, ZeRO-3) across nodes, and pipeline parallel as a third dime
 """
 from __future__ import annotations
 
+import contextlib  # TP: a null context for the steps whose collectives are not counted
 import time
 
 import torch
 import torch.distributed as dist  # 2D: the loss averaged over the data-parallel ranks
 from torch.distributed.device_mesh import init_device_mesh  # TP
 from torch.distributed.fsdp import fully_shard  # 2D
-from torch.distributed.tensor import Replicate, Shard  # TP
 from torch.distributed.tensor.debug import CommDebugMode  # TP: counts the collectives DTensor issues
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,  # TP
-                                               PrepareModuleOutput, RowwiseParallel,  # TP
-                                               SequenceParallel, parallelize_module)  # TP
+from torch.distributed.tensor.parallel import parallelize_module  # 2D: the TP plan's layouts live in train_tp
 
 from .core.config import ConfigError  # TP
-from .core.distributed import init_process_group, pick_device, teardown, world_from_env
+from .core.distributed import init_process_group, pick_device, teardown, world_from_env  # TP
 from .core.gpt import (GPT, CharCorpus, ParallelConfig, batches, loss_fn, parameter_bytes, parse_parallel_args,
                        save_run)
 from .core.process import run_main
+from .train_tp import evaluate, full_state, tp_plan  # 2D: train_tp's plan, evaluation and gathering, unchanged
 
 
 def setup(cfg: ParallelConfig):
     world = world_from_env()  # TP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines
     device = pick_device(world.local_rank, world.local_world_size)  # TP: one GPU per process, by local rank
     if world.world_size % cfg.tp or cfg.batch_size % (world.world_size // cfg.tp):  # 2D: a whole mesh, equal halves
-        raise ConfigError(f"{world.world_size} ranks cannot form a (dp, tp={cfg.tp}) mesh with batch-size "
+        raise ConfigError(f"{world.world_size} ranks cannot form a (dp, tp={cfg.tp}) mesh with batch-size "  # 2D
                           f"{cfg.batch_size} split over dp: tp must divide the ranks and dp the batch")
     dp = world.world_size // cfg.tp  # 2D
     if cfg.n_heads % cfg.tp or cfg.context % cfg.tp:  # 2D: TP over tp ranks, not all of them
-        raise ConfigError(f"n-heads {cfg.n_heads} and context {cfg.context} must be multiples of the "
+        raise ConfigError(f"n-heads {cfg.n_heads} and context {cfg.context} must be multiples of the "  # 2D
                           f"{cfg.tp} tensor-parallel ranks")
     created = init_process_group(world, device, cfg.timeout, cfg.backend)  # TP: nccl on GPUs, gloo on CPUs
     # 2D: rank = dp_index x tp + tp_index: consecutive ranks (the same node's GPUs) form a tensor-parallel group
     mesh = init_device_mesh(device.type, (dp, cfg.tp), mesh_dim_names=("dp", "tp"))
     return device, world, mesh, created
-
-
-def tp_plan(model: GPT, sequence_parallel: bool = True) -> dict:  # TP: which layer is cut which way
-    """The plan parallelize_module applies: module name -> how its weights and its inputs/outputs are laid out."""
-    plan = {"head": ColwiseParallel(output_layouts=Replicate())}  # TP: vocab split, whole logits gathered on all
-    for i in model.blocks:
-        plan.update({
-            f"blocks.{i}.attn.q": ColwiseParallel(),  # TP: output columns = this rank's heads
-            f"blocks.{i}.attn.k": ColwiseParallel(),  # TP
-            f"blocks.{i}.attn.v": ColwiseParallel(),  # TP
-            f"blocks.{i}.attn.out": RowwiseParallel(),  # TP: partial sums over the heads, all-reduced
-            f"blocks.{i}.mlp.fc": ColwiseParallel(),  # TP: hidden units split, GELU works on each slice alone
-            f"blocks.{i}.mlp.proj": RowwiseParallel(),  # TP: partial sums, all-reduced
-        })
-    if not sequence_parallel:
-        return plan
-    # TP: sequence parallel: between the cut layers the residual stream is (B, T/tp, C) on each rank, the norms
-    # TP: work on their slice of the sequence, and each all-reduce becomes a reduce-scatter (out, proj) plus an
-    # TP: all-gather (the attention's and the MLP's input): the same bytes moved, 1/tp of the activations kept.
-    seq = Shard(1)
-    # TP: the embedding stays whole (it is small); its output is cut along the sequence, with no communication
-    plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq)
-    plan["norm"] = SequenceParallel()
-    plan["head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
-    for i in model.blocks:
-        for part in ("attn", "mlp"):
-            plan[f"blocks.{i}.{part}_norm"] = SequenceParallel()  # TP: a LayerNorm per sequence slice
-            plan[f"blocks.{i}.{part}"] = PrepareModuleInput(input_layouts=seq, desired_input_layouts=Replicate())
-        plan[f"blocks.{i}.attn.out"] = RowwiseParallel(output_layouts=seq)  # TP: reduce-scatter
-        plan[f"blocks.{i}.mlp.proj"] = RowwiseParallel(output_layouts=seq)  # TP
-    return plan
 
 
 def build(cfg: ParallelConfig, device: torch.device, mesh):  # TP: and the mesh
@@ -102,49 +70,33 @@ def train_step(model, optimizer, X, y, mesh) -> float:  # 2D: and the mesh
     return loss.item() / mesh["dp"].size()  # 2D
 
 
-@torch.no_grad()
-def evaluate(cfg, model, corpus, device) -> float:
-    """The mean loss over 4 fixed batches no step trained on (another seed)."""
-    model.eval()
-    losses = [loss_fn(model(X.to(device)), y.to(device)).item()
-              for X, y in batches(corpus, cfg.batch_size, cfg.context, 4, seed=cfg.seed + 10_000)]
-    model.train()
-    return sum(losses) / len(losses)
-
-
-def full_state(model) -> dict:
-    """The whole model's weights on every rank (DTensor.full_tensor gathers the slices): for rank 0 to save."""
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-            for k, v in model.state_dict().items()}
-
-
 def main(cfg: ParallelConfig) -> dict:
-    device, world, mesh, created = setup(cfg)  # TP
+    device, world, mesh, created = setup(cfg)  # TP: and who we are, on which mesh
     try:  # TP: leave the process group on every exit path
         model, optimizer, corpus = build(cfg, device, mesh)  # TP
-        losses, start = [], time.perf_counter()
-        comms = CommDebugMode()  # TP: the first step's collectives, counted by type
-        for step, (X, y) in enumerate(batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed)):
-            dp, part = mesh["dp"].get_local_rank(), cfg.batch_size // mesh["dp"].size()  # 2D: this group's half
-            X, y = X[dp * part:(dp + 1) * part].to(device), y[dp * part:(dp + 1) * part].to(device)  # 2D
-            if step == 0:  # TP
-                with comms:  # TP
-                    losses.append(train_step(model, optimizer, X, y, mesh))  # 2D
-            else:  # TP
-                losses.append(train_step(model, optimizer, X, y, mesh))  # 2D
-        metrics = dict(strategy="2d", mesh=dict(dp=mesh["dp"].size(), tp=cfg.tp),  # 2D
-                       world_size=world.world_size, device=str(device), steps=cfg.steps,
-                       losses=losses, seconds=time.perf_counter() - start,
-                       test_loss=evaluate(cfg, model, corpus, device),
-                       parameter_bytes=parameter_bytes(model),  # TP: this rank's slices only
-                       collectives={str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()})  # TP
-        state = full_state(model)  # TP: a collective: every rank gathers
-        if cfg.out and world.is_main_process:
-            save_run(cfg.out, state, metrics)
-        return metrics
+        return train(cfg, device, world, model, optimizer, corpus, mesh)  # 2D: and the mesh
     finally:  # TP
         teardown(created)  # TP
 
+
+def train(cfg, device, world, model, optimizer, corpus, mesh) -> dict:  # 2D: and the mesh
+    losses, start = [], time.perf_counter()
+    comms = CommDebugMode()  # TP: the first step's collectives, counted by type
+    for step, (X, y) in enumerate(batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed)):  # TP
+        dp, part = mesh["dp"].get_local_rank(), cfg.batch_size // mesh["dp"].size()  # 2D: this group's half
+        X, y = X[dp * part:(dp + 1) * part].to(device), y[dp * part:(dp + 1) * part].to(device)  # 2D
+        with comms if step == 0 else contextlib.nullcontext():  # TP
+            losses.append(train_step(model, optimizer, X, y, mesh))  # 2D: and the mesh
+    metrics = dict(strategy="2d", mesh=dict(dp=mesh["dp"].size(), tp=cfg.tp),  # 2D
+                   world_size=world.world_size, device=str(device), steps=cfg.steps,
+                   losses=losses, seconds=time.perf_counter() - start,
+                   test_loss=evaluate(cfg, model, corpus, device),
+                   parameter_bytes=parameter_bytes(model),  # TP: this rank's slices only
+                   collectives={str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()})  # TP
+    state = full_state(model)  # TP: a collective: every rank gathers
+    if cfg.out and world.is_main_process:  # TP: one writer
+        save_run(cfg.out, state, metrics)
+    return metrics
 
 if __name__ == "__main__":
     run_main(main, parse_parallel_args("Train a small GPT with FSDP x tensor parallel.", stage="2d"))  # 2D

@@ -33,12 +33,12 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # PP
 def setup(cfg: ParallelConfig):
     world = world_from_env()  # PP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines
     if cfg.batch_size % cfg.micro_batches:  # PP: every micro-batch the same shape, as the stages' buffers expect
-        raise ConfigError(f"batch-size {cfg.batch_size} is not a multiple of micro-batches {cfg.micro_batches}")
+        raise ConfigError(f"batch-size {cfg.batch_size} is not a multiple of micro-batches {cfg.micro_batches}")  # PP
     if cfg.n_layers % world.world_size:  # PP: equal stages
-        raise ConfigError(f"n-layers {cfg.n_layers} cannot be cut into {world.world_size} equal stages")
+        raise ConfigError(f"n-layers {cfg.n_layers} cannot be cut into {world.world_size} equal stages")  # PP
     device = pick_device(world.local_rank, world.local_world_size)  # PP: one GPU per process, by local rank
     created = init_process_group(world, device, cfg.timeout, cfg.backend)  # PP: nccl on GPUs, gloo on CPUs
-    return device, world, created
+    return device, world, created  # PP
 
 
 def build(cfg: ParallelConfig, device: torch.device, world):  # PP: and who we are
@@ -57,38 +57,48 @@ def train_step(schedule, optimizer, world, X, y, device) -> float:  # PP: the sc
     optimizer.zero_grad()
     losses = []  # PP: the last stage gets one loss per micro-batch
     if world.rank == 0:  # PP: the first stage feeds the tokens
-        schedule.step(X)
+        schedule.step(X)  # PP
     elif world.rank == world.world_size - 1:  # PP: the last stage gets the targets
-        schedule.step(target=y, losses=losses)
+        schedule.step(target=y, losses=losses)  # PP
     else:  # PP: a middle stage only passes activations on and gradients back
-        schedule.step()
+        schedule.step()  # PP
     optimizer.step()
     loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)  # PP
     dist.broadcast(loss, src=world.world_size - 1)  # PP: every rank reports the last stage's loss
     return loss.item()
 
 
+def full_state(model) -> dict:
+    """The whole model's weights, on the CPU: for the run's record."""  # PP: this stage's, gathered on rank 0
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
 def main(cfg: ParallelConfig) -> dict:
-    device, world, created = setup(cfg)  # PP
+    device, world, created = setup(cfg)  # PP: and who we are
     try:  # PP: leave the process group on every exit path
         model, optimizer, corpus, schedule = build(cfg, device, world)  # PP
-        losses, start = [], time.perf_counter()
-        for X, y in batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed):
-            X, y = X.to(device), y.to(device)
-            losses.append(train_step(schedule, optimizer, world, X, y, device))  # PP
-        metrics = dict(strategy="pp", schedule=cfg.schedule, micro_batches=cfg.micro_batches,  # PP
-                       world_size=world.world_size, device=str(device), steps=cfg.steps, losses=losses,
-                       seconds=time.perf_counter() - start,
-                       parameter_bytes=parameter_bytes(model))  # PP: this stage's blocks only
-        stages = [None] * world.world_size  # PP: rank 0 collects every stage's weights to save the whole model
-        dist.gather_object({k: v.detach().cpu() for k, v in model.state_dict().items()},
-                           stages if world.is_main_process else None)  # PP
-        if cfg.out and world.is_main_process:
-            save_run(cfg.out, {k: v for s in stages for k, v in s.items()}, metrics)  # PP: the stages together
-        return metrics
+        return train(cfg, device, world, model, optimizer, corpus, schedule)  # PP
     finally:  # PP
         teardown(created)  # PP
 
+
+def train(cfg, device, world, model, optimizer, corpus, schedule) -> dict:  # PP: world, schedule
+    losses, start = [], time.perf_counter()
+    for X, y in batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed):
+        X, y = X.to(device), y.to(device)
+        losses.append(train_step(schedule, optimizer, world, X, y, device))  # PP
+    # PP: no test loss: only the last stage has logits, and an evaluation would be a schedule of its own
+    metrics = dict(strategy="pp", schedule=cfg.schedule, micro_batches=cfg.micro_batches,  # PP
+                   world_size=world.world_size, device=str(device), steps=cfg.steps,
+                   losses=losses, seconds=time.perf_counter() - start,
+                   parameter_bytes=parameter_bytes(model))  # PP: this stage's blocks only
+    # PP: rank 0 collects every stage's weights to save the whole model
+    stages = [None] * world.world_size
+    dist.gather_object(full_state(model), stages if world.is_main_process else None)
+    state = {k: v for s in stages or [] for k, v in s.items()} if world.is_main_process else None
+    if cfg.out and world.is_main_process:  # PP: one writer
+        save_run(cfg.out, state, metrics)
+    return metrics
 
 if __name__ == "__main__":
     run_main(main, parse_parallel_args("Train a small GPT, one pipeline stage per rank.", stage="pp"))  # PP

@@ -16,6 +16,7 @@ Every rank sees the same global batch; the result equals one process's at that b
 """
 from __future__ import annotations
 
+import contextlib  # TP: a null context for the steps whose collectives are not counted
 import time
 
 import torch
@@ -27,7 +28,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)  # TP
 
 from .core.config import ConfigError  # TP
-from .core.distributed import init_process_group, pick_device, teardown, world_from_env
+from .core.distributed import init_process_group, pick_device, teardown, world_from_env  # TP
 from .core.gpt import (GPT, CharCorpus, ParallelConfig, batches, loss_fn, parameter_bytes, parse_parallel_args,
                        save_run)
 from .core.process import run_main
@@ -37,14 +38,15 @@ def setup(cfg: ParallelConfig):
     world = world_from_env()  # TP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines
     device = pick_device(world.local_rank, world.local_world_size)  # TP: one GPU per process, by local rank
     if cfg.n_heads % world.world_size or cfg.context % world.world_size:  # TP: whole heads, equal sequence slices
-        raise ConfigError(f"n-heads {cfg.n_heads} and context {cfg.context} must be multiples of the "
+        raise ConfigError(f"n-heads {cfg.n_heads} and context {cfg.context} must be multiples of the "  # TP
                           f"{world.world_size} tensor-parallel ranks")
     created = init_process_group(world, device, cfg.timeout, cfg.backend)  # TP: nccl on GPUs, gloo on CPUs
     mesh = init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("tp",))  # TP: one dim, all ranks
-    return device, world, mesh, created
+    return device, world, mesh, created  # TP
 
 
-def tp_plan(model: GPT, sequence_parallel: bool = True) -> dict:  # TP: which layer is cut which way
+# TP: which layer is cut which way
+def tp_plan(model: GPT, sequence_parallel: bool = True) -> dict:
     """The plan parallelize_module applies: module name -> how its weights and its inputs/outputs are laid out."""
     plan = {"head": ColwiseParallel(output_layouts=Replicate())}  # TP: vocab split, whole logits gathered on all
     for i in model.blocks:
@@ -103,36 +105,37 @@ def evaluate(cfg, model, corpus, device) -> float:
 
 
 def full_state(model) -> dict:
-    """The whole model's weights on every rank (DTensor.full_tensor gathers the slices): for rank 0 to save."""
+    """The whole model's weights, on the CPU: for the run's record."""
+    # TP: a DTensor's full_tensor() gathers its slices from every rank, so every rank must call this
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
             for k, v in model.state_dict().items()}
 
 
 def main(cfg: ParallelConfig) -> dict:
-    device, world, mesh, created = setup(cfg)  # TP
+    device, world, mesh, created = setup(cfg)  # TP: and who we are, on which mesh
     try:  # TP: leave the process group on every exit path
         model, optimizer, corpus = build(cfg, device, mesh)  # TP
-        losses, start = [], time.perf_counter()
-        comms = CommDebugMode()  # TP: the first step's collectives, counted by type
-        for step, (X, y) in enumerate(batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed)):
-            X, y = X.to(device), y.to(device)
-            if step == 0:  # TP
-                with comms:  # TP
-                    losses.append(train_step(model, optimizer, X, y))  # TP
-            else:  # TP
-                losses.append(train_step(model, optimizer, X, y))
-        metrics = dict(strategy="tp", world_size=world.world_size, device=str(device), steps=cfg.steps,
-                       losses=losses, seconds=time.perf_counter() - start,
-                       test_loss=evaluate(cfg, model, corpus, device),
-                       parameter_bytes=parameter_bytes(model),  # TP: this rank's slices only
-                       collectives={str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()})  # TP
-        state = full_state(model)  # TP: a collective: every rank gathers
-        if cfg.out and world.is_main_process:
-            save_run(cfg.out, state, metrics)
-        return metrics
+        return train(cfg, device, world, model, optimizer, corpus)  # TP
     finally:  # TP
         teardown(created)  # TP
 
+
+def train(cfg, device, world, model, optimizer, corpus) -> dict:  # TP: world
+    losses, start = [], time.perf_counter()
+    comms = CommDebugMode()  # TP: the first step's collectives, counted by type
+    for step, (X, y) in enumerate(batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed)):  # TP
+        X, y = X.to(device), y.to(device)
+        with comms if step == 0 else contextlib.nullcontext():  # TP
+            losses.append(train_step(model, optimizer, X, y))  # TP: in the with
+    metrics = dict(strategy="tp", world_size=world.world_size, device=str(device), steps=cfg.steps,  # TP
+                   losses=losses, seconds=time.perf_counter() - start,
+                   test_loss=evaluate(cfg, model, corpus, device),
+                   parameter_bytes=parameter_bytes(model),  # TP: this rank's slices only
+                   collectives={str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()})  # TP
+    state = full_state(model)  # TP: a collective: every rank gathers
+    if cfg.out and world.is_main_process:  # TP: one writer
+        save_run(cfg.out, state, metrics)
+    return metrics
 
 if __name__ == "__main__":
     run_main(main, parse_parallel_args("Train a small GPT with tensor parallelism (DTensor).", stage="tp"))  # TP

@@ -213,8 +213,9 @@ class ParallelConfig:
         return dataclasses.replace(self, **changes).validate()
 
 
-# The fields only some of the three trainers read; the others refuse a value other than the default in one line.
-PARALLEL_ONLY_IN = {"tp": ("2d",), "sequence_parallel": ("tp", "2d"), "micro_batches": ("pp",), "schedule": ("pp",)}
+# The fields only some of the four trainers read; the others refuse a value other than the default in one line.
+PARALLEL_ONLY_IN = {"tp": ("2d",), "sequence_parallel": ("tp", "2d"), "micro_batches": ("pp",), "schedule": ("pp",),
+                    "backend": ("tp", "pp", "2d"), "timeout": ("tp", "pp", "2d")}  # train_gpt has no process group
 
 
 def parse_parallel_args(description: str, argv=None, stage: str | None = None) -> ParallelConfig:

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import train_2d, train_pp, train_tp
+from .. import train_2d, train_gpt, train_pp, train_tp
 from ..core.gpt import GPT, CharCorpus, ParallelConfig, batches, loss_fn, parameter_bytes
 from .ranks import describe, first_error, on_every_rank
 
@@ -23,22 +23,17 @@ TRAINERS = {"tp": train_tp, "pp": train_pp, "2d": train_2d}
 
 # ------------------------------------------------------------------------------------- equal to one process
 def one_process(cfg: ParallelConfig) -> dict:
-    """The reference: the whole GPT in this process, the whole global batch, cfg.steps AdamW steps. Returns the
-    logits of the first batch before any step, the loss of every step, the weights after the last and their bytes."""
-    model = GPT(cfg.gpt(), seed=cfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    losses, logits = [], None
-    for X, y in batches(CharCorpus(), cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed):
-        out = model(X)
-        if logits is None:
-            logits = out.detach().clone()
-        loss = loss_fn(out, y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return dict(logits=logits, losses=losses, state=state, parameter_bytes=parameter_bytes(model))
+    """The reference: train_gpt, the whole GPT in this process on the CPU, the whole global batch, cfg.steps AdamW
+    steps. Returns the logits of the first batch before any step, the loss of every step, the weights after the last
+    and their bytes."""
+    device = torch.device("cpu")
+    model, optimizer, corpus = train_gpt.build(cfg, device)
+    X, _ = next(batches(corpus, cfg.batch_size, cfg.context, 1, seed=cfg.seed))
+    with torch.no_grad():
+        logits = model(X)
+    metrics = train_gpt.train(cfg, device, model, optimizer, corpus)
+    return dict(logits=logits, losses=metrics["losses"], state=train_gpt.full_state(model),
+                parameter_bytes=metrics["parameter_bytes"])
 
 
 def first_logits(technique: str, cfg: ParallelConfig):

@@ -1,0 +1,79 @@
+"""Stage 11's starting point: a small GPT trained in one process (notebook 11_model_parallelism).
+
+train_tp.py is this file plus the lines tagged "# TP:", train_pp.py this file plus those tagged "# PP:", and
+train_2d.py is train_tp.py plus those tagged "# 2D:" (`diff -u train_gpt.py train_tp.py` is the tensor-parallel
+lesson). It is also the reference the three are compared with: the same model from the same seed, the same global
+batch at every step, so their losses and weights must equal this file's up to float rounding. Run it with:
+
+    python -m tutorial.train_gpt --steps 20 --out runs/gpt
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .core.distributed import pick_device
+from .core.gpt import (GPT, CharCorpus, ParallelConfig, batches, loss_fn, parameter_bytes, parse_parallel_args,
+                       save_run)
+from .core.process import run_main
+
+
+def setup(cfg: ParallelConfig):
+    device = pick_device(0)  # the first GPU, or the CPU
+    return device
+
+
+def build(cfg: ParallelConfig, device: torch.device):
+    corpus = CharCorpus()
+    model = GPT(cfg.gpt(), seed=cfg.seed).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    return model, optimizer, corpus
+
+
+def train_step(model, optimizer, X, y) -> float:
+    loss = loss_fn(model(X), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+@torch.no_grad()
+def evaluate(cfg, model, corpus, device) -> float:
+    """The mean loss over 4 fixed batches no step trained on (another seed)."""
+    model.eval()
+    losses = [loss_fn(model(X.to(device)), y.to(device)).item()
+              for X, y in batches(corpus, cfg.batch_size, cfg.context, 4, seed=cfg.seed + 10_000)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def full_state(model) -> dict:
+    """The whole model's weights, on the CPU: for the run's record."""
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def main(cfg: ParallelConfig) -> dict:
+    device = setup(cfg)
+    model, optimizer, corpus = build(cfg, device)
+    return train(cfg, device, model, optimizer, corpus)
+
+
+def train(cfg, device, model, optimizer, corpus) -> dict:
+    losses, start = [], time.perf_counter()
+    for X, y in batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed):
+        X, y = X.to(device), y.to(device)
+        losses.append(train_step(model, optimizer, X, y))
+    metrics = dict(strategy="gpt", world_size=1, device=str(device), steps=cfg.steps,
+                   losses=losses, seconds=time.perf_counter() - start,
+                   test_loss=evaluate(cfg, model, corpus, device),
+                   parameter_bytes=parameter_bytes(model))
+    state = full_state(model)
+    if cfg.out:
+        save_run(cfg.out, state, metrics)
+    return metrics
+
+
+if __name__ == "__main__":
+    run_main(main, parse_parallel_args("Train a small GPT in one process.", stage="gpt"))
