@@ -4,6 +4,7 @@ an error other than a collective's, a model left without DDP, batches cut to the
 rather than a traceback."""
 from __future__ import annotations
 
+import pytest
 from answers import defined
 from conftest import skeleton as notebook_skeleton
 
@@ -81,24 +82,74 @@ def test_exercise_2_accepts_a_sum_of_placed_pieces(cluster):
 
 
 def test_exercise_3_unused_parameter(cluster):
-    assert lesson.check_unused(cluster, lesson.solution_wrap).startswith("correct: 3 steps on every rank")
+    # the package's solution removes the unused layer, the fix the notebook calls best
+    assert lesson.check_unused(cluster, lesson.solution_wrap) == \
+        "correct: 3 steps on every rank, weights equal to one process on all batches (without spare)"
     verdict = lesson.check_unused(cluster, skeleton("### Exercise 3"))
     assert verdict.startswith("wrong: rank 0 stopped at the second step with \"Expected to have finished reduction"), \
         verdict
-    assert "find_unused_parameters=True" in verdict
+    assert "find_unused_parameters=True" in verdict and "remove the layer" in verdict
 
 
-def test_exercise_3_accepts_static_graph_and_names_a_model_left_unwrapped(cluster):
-    static = defined(
+CORRECT_WRAPS = {
+    "find_unused_parameters": (
+        "def wrap(model):\n"
+        "    from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "    return DDP(model, find_unused_parameters=True)\n"),
+    "static_graph": (
         "def wrap(model):\n"
         "    import torch\n"
-        "    return torch.nn.parallel.DistributedDataParallel(model, static_graph=True)\n")
-    assert lesson.check_unused(cluster, static).startswith("correct: 3 steps on every rank")
+        "    return torch.nn.parallel.DistributedDataParallel(model, static_graph=True)\n"),
+    "remove_it_with_delattr": (  # written differently from the solution's `del model.spare`
+        "def wrap(model):\n"
+        "    import torch.nn.parallel as parallel\n"
+        "    delattr(model, 'spare')\n"
+        "    return parallel.DistributedDataParallel(model)\n"),
+    "freeze_it": (  # DDP leaves parameters that need no gradient out of its buckets
+        "def wrap(model):\n"
+        "    from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "    model.spare.requires_grad_(False)\n"
+        "    return DDP(model)\n"),
+    "use_it_with_no_effect": (  # spare takes part in the graph with a zero weight: its gradient is 0, not missing
+        "def wrap(model):\n"
+        "    import torch\n"
+        "    from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "    def forward(x):\n"
+        "        h = torch.relu(model.body(x))\n"
+        "        return model.head(h) + 0 * model.spare(h)\n"
+        "    model.forward = forward\n"
+        "    return DDP(model)\n"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRECT_WRAPS))
+def test_exercise_3_accepts_every_correct_fix(cluster, name):
+    verdict = lesson.check_unused(cluster, defined(CORRECT_WRAPS[name]))
+    assert verdict.startswith("correct: 3 steps on every rank, weights equal to one process on all batches"), verdict
+    kept = "(without spare)" if name.startswith("remove") else "(spare unchanged)"
+    assert verdict.endswith(kept), verdict
+
+
+def test_exercise_3_names_a_model_left_unwrapped_a_changed_output_and_a_used_layer_removed(cluster):
     unwrapped = defined(  # no DDP error any more, because nothing is averaged: each rank trains its own model
         "def wrap(model):\n"
         "    return model\n")
     verdict = lesson.check_unused(cluster, unwrapped)
     assert verdict.startswith("wrong: rank 0's body.weight differs from one process") and "wrapped in DDP" in verdict
+    adds_spare = defined(  # no error either: spare now gets a gradient, but the model computes something else
+        "def wrap(model):\n"
+        "    import torch\n"
+        "    from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "    hidden = lambda x: torch.relu(model.body(x))\n"
+        "    model.forward = lambda x: model.head(hidden(x)) + model.spare(hidden(x))\n"
+        "    return DDP(model)\n")
+    assert lesson.check_unused(cluster, adds_spare).startswith("wrong: rank 0: the model's output changed")
+    head_removed = defined(  # the wrong layer: the forward fails before any collective
+        "def wrap(model):\n"
+        "    from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "    del model.head\n"
+        "    return DDP(model, find_unused_parameters=True)\n")
+    assert lesson.check_unused(cluster, head_removed).startswith("wrong: rank 0 raised AttributeError")
 
 
 def test_exercise_4_uneven_inputs(cluster):

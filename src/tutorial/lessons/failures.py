@@ -210,23 +210,39 @@ def _unused_batch(rank: int, step: int):
 UNUSED_STEPS = 3
 
 
-def _unused_trial(wrap, rank: int, world_size: int):
-    """On an engine, in a group: wrap(model), then UNUSED_STEPS SGD steps on this rank's batches; the weights."""
+def _unused_probe():
     import torch
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(7))
+
+
+def _unused_trial(wrap, rank: int, world_size: int):
+    """On an engine, in a group: wrap(model), then UNUSED_STEPS SGD steps on this rank's batches. Returns whether the
+    result is a DDP model, whether its output before training equals the unwrapped skip_net's (a fix must not change
+    what the model computes), and the weights the model still has after training."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
     model = wrap(skip_net())
+    if not isinstance(model, torch.nn.Module):
+        return {"returned": type(model).__name__}
+    with torch.no_grad():
+        same_output = torch.allclose(model(_unused_probe()), skip_net()(_unused_probe()), atol=1e-6)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(UNUSED_STEPS):
         x, y = _unused_batch(rank, step)
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
-    inner = getattr(model, "module", model)
-    return {name: p.detach().clone() for name, p in inner.named_parameters()}
+    inner = model.module if isinstance(model, DDP) else model
+    return {"ddp": isinstance(model, DDP), "same_output": same_output,
+            "weights": {name: p.detach().clone() for name, p in inner.named_parameters()}}
 
 
 def check_unused(cluster, wrap) -> str:
     """Exercise 3: wrap(model) must give a model that trains under DDP although model.spare is never used, with
-    the gradients averaged over the ranks: the weights equal one process's on both ranks' batches together."""
+    the gradients averaged over the ranks: the weights it still has equal one process's on both ranks' batches
+    together. Every correct fix passes: find_unused_parameters=True, static_graph=True, removing `spare` (md's "best
+    of all") or freezing it; a fix that changes what the model computes, drops a layer the forward uses or leaves
+    the model unwrapped does not."""
     import torch
     cluster.run(on_every_rank, _unused_trial, wrap, inputs=_rank_and_size, seconds=10.0)
     failed = first_error(cluster.results)
@@ -234,7 +250,7 @@ def check_unused(cluster, wrap) -> str:
         return (f"wrong: rank {failed[0]} stopped at the second step with \"Expected to have finished reduction in "
                 "the prior iteration ...\": DDP waits for a gradient of every parameter, and model.spare never gets "
                 "one; tell DDP to look for unused parameters (find_unused_parameters=True) or that the graph is "
-                "the same every step (static_graph=True)")
+                "the same every step (static_graph=True), or remove the layer the forward never uses")
     if failed:
         return f"wrong: rank {failed[0]} raised {failed[1]}"
     reference = skip_net()  # one process, both ranks' batches at once: what averaged gradients must give
@@ -244,14 +260,24 @@ def check_unused(cluster, wrap) -> str:
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(reference(x), y).backward()
         optimizer.step()
-    for rank, (_, weights) in enumerate(cluster.results):
-        if not isinstance(weights, dict) or set(weights) != {n for n, _ in reference.named_parameters()}:
-            return f"wrong: rank {rank}: wrap did not return the model (its parameters are {sorted(weights or {})})"
+    used = [n for n, _ in reference.named_parameters() if not n.startswith("spare.")]  # what the forward needs
+    for rank, (_, got) in enumerate(cluster.results):
+        if "returned" in got:
+            return f"wrong: rank {rank}: wrap returned a {got['returned']}, not the model wrapped for training"
+        missing = [n for n in used if n not in got["weights"]]
+        if missing:
+            return (f"wrong: rank {rank}: the model has no {missing[0]} any more, but the forward uses it; remove "
+                    "only the layer the forward never calls (spare)")
+        if not got["same_output"]:
+            return (f"wrong: rank {rank}: the model's output changed: a fix may tell DDP about the unused layer, or "
+                    "remove it, but not change what the model computes (spare must not add to the output)")
         for name, p in reference.named_parameters():
-            if not torch.allclose(weights[name], p.detach(), atol=1e-6):
+            if name in got["weights"] and not torch.allclose(got["weights"][name], p.detach(), atol=1e-6):
                 return (f"wrong: rank {rank}'s {name} differs from one process trained on all ranks' batches: the "
-                        "gradients were not averaged over the ranks; the model must still be wrapped in DDP")
-    return f"correct: {UNUSED_STEPS} steps on every rank, weights equal to one process on all batches"
+                        "gradients were not averaged over the ranks; the model must still be wrapped in DDP"
+                        + ("" if got["ddp"] else " (wrap returned it unwrapped)"))
+    kept = "without spare" if "spare.weight" not in cluster.results[0][1]["weights"] else "spare unchanged"
+    return (f"correct: {UNUSED_STEPS} steps on every rank, weights equal to one process on all batches ({kept})")
 
 
 def _uneven_batches(rank: int):
@@ -329,7 +355,8 @@ def solution_gather_all(preds):
 
 def solution_wrap(model):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return DDP(model, find_unused_parameters=True)  # DDP walks the graph after each forward to find them
+    del model.spare  # best of all: no unused layer, nothing for DDP to wait for or to search every step
+    return DDP(model)  # or keep it: DDP(model, find_unused_parameters=True) or DDP(model, static_graph=True)
 
 
 def solution_train(model, batches):
