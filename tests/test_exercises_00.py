@@ -22,6 +22,20 @@ def test_exercise_1_accepts_a_copy_reduced_with_an_explicit_sum(cluster):
     assert setup.check_mean_over_ranks(cluster, other) == "correct: every rank got the mean 1.5"
 
 
+def test_exercise_1_accepts_the_division_written_in_place_or_as_a_product(cluster):
+    # The same mean, written as learners write it after the all-reduce: divided in place, or multiplied by 1/n
+    # into a new tensor, and read with float() instead of .item().
+    for divide in ("    t /= dist.get_world_size()\n", "    t = t * (1 / dist.get_world_size())\n"):
+        other = defined(
+            "def mean_over_ranks(value):\n"
+            "    import torch, torch.distributed as dist\n"
+            "    t = torch.tensor([float(value)])\n"
+            "    dist.all_reduce(t)\n"
+            + divide +
+            "    return float(t)\n")
+        assert setup.check_mean_over_ranks(cluster, other) == "correct: every rank got the mean 1.5", divide
+
+
 def test_exercise_1_names_the_sum(cluster):
     the_sum = defined(
         "def mean_over_ranks(value):\n"

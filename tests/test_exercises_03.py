@@ -126,6 +126,23 @@ def test_exercise_3_names_the_forward_outside_no_sync_and_accepts_two_branches(c
     assert ddp.check_accumulation(cluster, branches).startswith("correct: one all-reduce for 4")
 
 
+def test_exercise_3_accepts_no_sync_entered_through_an_exit_stack(cluster):
+    # no_sync() entered only when needed, through contextlib.ExitStack rather than a with-block or nullcontext,
+    # and the loss divided with Tensor.div: the same single all-reduce and the same step.
+    stack = defined(
+        "def accumulate(model, optimizer, micro_batches):\n"
+        "    import contextlib\n"
+        "    import torch.nn.functional as F\n"
+        "    optimizer.zero_grad()\n"
+        "    for i, (X, y) in enumerate(micro_batches):\n"
+        "        with contextlib.ExitStack() as stack:\n"
+        "            if i < len(micro_batches) - 1:\n"
+        "                stack.enter_context(model.no_sync())\n"
+        "            F.cross_entropy(model(X), y).div(len(micro_batches)).backward()\n"
+        "    optimizer.step()\n")
+    assert ddp.check_accumulation(cluster, stack).startswith("correct: one all-reduce for 4")
+
+
 def test_exercise_4_metrics_averaged(cluster):
     correct = "correct: every rank reports 2, the mean over all 6 samples"
     assert ddp.check_epoch_loss(cluster, ddp.solution_epoch_loss) == correct
