@@ -121,13 +121,13 @@ def plan_rows(files: Files) -> list[dict]:
 
 
 def named_parts(text: str, sections) -> list[tuple[str, int | None, str]] | None:
-    """The notes sections a plan row names ('section 11, exercises 3-4'), None where it names none."""
+    """The notes sections a plan row names ('section 11, exercises 3-4', 'rehearsal 5'), None where it names none."""
     if "all but" in text:
         return None
     wanted = []
-    for kind, a, b in re.findall(r"(sections?|exercises?) (\d+)(?:-(\d+))?", text):
+    for kind, a, b in re.findall(r"(sections?|exercises?|rehearsals?) (\d+)(?:-(\d+))?", text.lower()):
         for k in range(int(a), int(b or a) + 1):
-            wanted.append(f"Exercise {k}" if kind.startswith("exercise") else f"{k}. ")
+            wanted.append({"e": f"Exercise {k}", "r": f"Rehearsal {k}", "s": f"{k}. "}[kind[0]])
     if not wanted:
         return None
     return [s for s in sections if any(s[0].startswith(w) for w in wanted)]
@@ -276,6 +276,8 @@ def test_the_parsers_read_what_they_should():
     assert [s[0] for s in named_parts("10 section 11, exercises 3-4", sections)] == [
         "11. Two DDP errors", "Exercise 3", "Exercise 4"]
     assert named_parts("10 when things go wrong (all but section 11)", sections) is None
+    assert [s[0] for s in named_parts("06 rehearsal 5: a real Slurm", [("Rehearsal 5", 6, ""), ("Rehearsal 1", 5, "")])] \
+        == ["Rehearsal 5"]
 
 
 def test_the_checks_find_what_review_4_found():
