@@ -61,3 +61,43 @@ def test_exercise_2_accepts_bytes_moved_per_rank_over_time():
     def moved(size, seconds, nproc):  # each rank sends 2(n-1)/n of the data in a ring
         return (2 * (nproc - 1) / nproc * size) / seconds / 1e9
     assert measure.check_bus_bandwidth(moved).startswith("correct: busbw = algbw x 2(n-1)/n")
+
+
+def test_exercise_3_checker_accepts_two_correct_answers_and_names_the_forward_only_mistake():
+    assert measure.check_mfu(measure.solution_mfu) == (
+        "correct: MFU = 3 x forward FLOPs per sample x samples/s / peak (the H100 case: 36%)")
+
+    def one_fraction(batch_forward_flops, batch_size, samples_per_second, peak):  # written another way, also right
+        achieved = (batch_forward_flops * 3) * (samples_per_second / batch_size)  # FLOP/s of the training steps
+        return achieved / peak
+
+    assert measure.check_mfu(one_fraction).startswith("correct:")
+    verdict = measure.check_mfu(skeleton("### Exercise 3"))
+    assert verdict.startswith("wrong: 10 GFLOP forward per sample") and "forward pass only" in verdict
+
+
+def test_exercise_3_checker_names_the_other_mistakes():
+    def per_batch(f, b, r, p):
+        return 3 * f * r / p
+
+    def percent(f, b, r, p):
+        return 100 * measure.solution_mfu(f, b, r, p)
+
+    def macs(f, b, r, p):
+        return measure.solution_mfu(f, b, r, p) / 2
+
+    assert "divide by the batch size" in measure.check_mfu(per_batch)
+    assert "not a percentage" in measure.check_mfu(percent)
+    assert "2 FLOPs per multiply-add" in measure.check_mfu(macs)
+    assert measure.check_mfu(lambda *a: 1 / 0).startswith("wrong: mfu(")
+
+
+def test_peak_flops_is_known_for_datasheet_gpus_only(monkeypatch):
+    import torch
+    assert measure.peak_flops(torch.device("cpu")) is None  # no datasheet peak for a CPU: the notebook says so
+    for name, tflops in (("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA A100-SXM4-80GB", 312),
+                         ("NVIDIA H200", 989), ("NVIDIA GeForce RTX 4090", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        got = measure.peak_flops(torch.device("cuda", 0))
+        assert got == (tflops * 1e12 if tflops else None), name
+    assert measure.cpu_peak_estimate(2, 2.0) == 2 * 2e9 * 32
