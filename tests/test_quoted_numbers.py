@@ -13,24 +13,29 @@ What counts as a measured-looking number (the rest is left alone, so authors nee
   counts.
 Skipped text: code spans and blocks, links' targets, LaTeX, HTML comments, cell references (`[24]`, `md[41]`).
 
-A quoted number matches an output number (a number in any stream or text output of the same notebook, code cells'
-outputs only) when they agree to the precision the prose prints: `0.62` matches 0.615 to 0.625, `2.2` matches 2.15
-to 2.25; an integer's trailing zeros are not significant (`4,800` matches 4,750 to 4,850), but the tolerance never
-exceeds 5% of the value (`100%` matches 95 to 105). A percent also matches the fraction (`78.8%` ~ 0.7883), and a
-time in s/ms/µs also matches the same time printed in the neighbouring unit.
+A quoted number matches a number the notebook shows: in its code cells' stored outputs (stream and text, ignored
+outputs included), in its code (a setting the prose restates, `bucket_cap_mb=0.1`), or a code cell's recorded run
+time in whole seconds ("each launch takes about 25 s"). They match when they agree to the precision the prose
+prints: `0.62` matches 0.615 to 0.625, `2.2` matches 2.15 to 2.25; an integer's trailing zeros are not significant
+(`4,800` matches 4,750 to 4,850), but the tolerance never exceeds 5% of the value (`100%` matches 95 to 105). A
+percent also matches the fraction (`78.8%` ~ 0.7883), a time in s/ms/µs the same time printed in the neighbouring
+unit, and a range (`20-25 s`) any number within it. Units are not compared: the check catches a stale value, it does
+not prove which output a sentence means. A number read from an output that changes from run to run (a time, a
+samples/s) must be brought up to date when the notebook is re-executed; prose that should survive that says "several
+times slower" or gives a range.
 
-A number that is not in this notebook's outputs is marked on its line, after it, with an HTML comment (invisible in
-Markdown, in the slides and in the speaker view); a marker covers the numbers before it on its line:
+A number that is not in this notebook is marked after it with an HTML comment (invisible in the notebook, in the
+slides and in the speaker view). A marker covers the numbers before it in its paragraph, table or list item (a
+notes line is one item), back to the previous marker:
 - `<!-- cited: SOURCE -->`: a fact from elsewhere, e.g. `<!-- cited: seed 004's log -->`, `<!-- cited: Horovod
   docs -->`. When SOURCE starts with another notebook's number (`<!-- cited: 07 -->`, `<!-- cited: 02 [19] -->`),
-  the numbers are matched against that notebook's outputs instead, so a citation cannot go stale either.
-- `<!-- derived: 18.9 ms / 476 µs -->`: a value computed from outputs; the numbers inside the comment must match
-  this notebook's outputs.
+  the numbers are matched against that notebook instead, so such a citation cannot go stale either.
+- `<!-- derived: 18.9 ms / 476 µs -->`: a value computed from the notebook's numbers; every number inside the
+  comment must match the notebook.
 """
 from __future__ import annotations
 
 import json
-import math
 import re
 import sys
 from dataclasses import dataclass
@@ -139,6 +144,8 @@ def quotes_in(text: str, where: str, source: str = "", every_number: bool = Fals
     """Measured-looking numbers of one Markdown text. A marker covers the numbers before it in its paragraph, table
     row group or list item (back to the previous marker)."""
     found = []
+    # Fenced code first: a block with a blank line in it would otherwise be cut into paragraphs with its fences apart.
+    text = SKIPPED[0].sub(blank, text)
     for first, block in blocks(text):
         pieces, start = [], 0
         for marker in MARKER.finditer(block):
@@ -340,11 +347,23 @@ if "pytest" in sys.modules:
         ("bucket_cap_mb of 0.1 MB", "", True),                            # a setting the code shows ...
         ("196 x 1.04 s <!-- cited: seed 004 -->", "", True),              # a product, not a ratio
         ("Horovod 2.2 s, DDP 2.6 s", "Horovod 4.7 s, DDP 1.7 s", False),  # a unit: not a version number
+        ("```\nx = 0.58\n\ny = 1.5\n```", "", True),                   # code, blank line and all
+        ("0.5 s <!-- cited: 99 [3] -->", "0.5", False),                  # a cited notebook must exist
     ], ids=lambda v: v if isinstance(v, bool) else re.sub(r"\W+", "_", v)[:40])
     def test_matching_rule(prose, output, found):
         code = "DDP(model, bucket_cap_mb=0.1)" if "bucket" in prose else ""
         problems = unmatched(Path("fake.ipynb"), fake(prose, output, code), notes="")
         assert (not problems) is found, problems
+
+    def test_command_line(tmp_path):
+        import subprocess
+        script = [sys.executable, __file__]
+        bad = subprocess.run([*script, str(tmp_path / "missing.ipynb")], capture_output=True, text=True)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "is not a notebook file" in bad.stderr
+        stale = tmp_path / "stale.ipynb"
+        stale.write_text(json.dumps(fake("takes 0.58 s a batch", "batch time 0.618 s")))
+        done = subprocess.run([*script, str(stale)], capture_output=True, text=True)
+        assert done.returncode == 1 and "'0.58 s' is not in stale's outputs (nearest: 0.618" in done.stdout
 
     def test_the_checker_finds_what_984c965_got_wrong():
         """Review 4's contradictions that are numbers, on the commit it read: stale losses in 08's and 10's notes,
