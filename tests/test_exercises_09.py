@@ -66,3 +66,67 @@ def test_exercise_2_accepts_every_linear_found_by_type(cluster):
         "    fully_shard(model)\n")
     checked = cluster.run(lesson.check_fully_shard, by_type)
     assert checked["ok"], checked
+
+
+def test_exercise_3_accepts_the_solution_and_names_the_reentrant_checkpoint(capsys):
+    assert lesson.check_checkpointing(lesson.checkpoint_solution)
+    capsys.readouterr()
+    # the skeleton's reentrant wrapper: the data into block 0 does not require grad, so the loss has no graph
+    assert not lesson.check_checkpointing(notebook_skeleton("09_sharded_training", "### Exercise 3", "my_checkpointing"))
+    out = capsys.readouterr().out
+    assert "a reentrant checkpoint" in out and "use_reentrant=False" in out, out
+
+
+def test_exercise_3_accepts_a_module_that_calls_checkpoint():
+    """A second, differently written answer: the blocks inside a module of one's own whose forward checkpoints."""
+    by_hand = defined(
+        "import torch\n"
+        "from torch.utils.checkpoint import checkpoint\n"
+        "class Each(torch.nn.Module):\n"
+        "    def __init__(self, blocks):\n"
+        "        super().__init__()\n"
+        "        self.blocks = blocks\n"
+        "    def forward(self, x):\n"
+        "        for b in self.blocks:\n"
+        "            x = checkpoint(b, x, use_reentrant=False)\n"
+        "        return x\n"
+        "def my_checkpointing(model):\n"
+        "    return Each(model)\n", "my_checkpointing")
+    assert lesson.check_checkpointing(by_hand)
+
+
+def test_exercise_3_names_the_whole_model_as_one_checkpoint(capsys):
+    whole = defined(
+        "def my_checkpointing(model):\n"
+        "    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper\n"
+        "    return checkpoint_wrapper(model)\n")
+    assert not lesson.check_checkpointing(whole)
+    assert "recomputed 4 blocks at once" in capsys.readouterr().out
+
+
+def test_exercise_3_names_blocks_left_unwrapped(capsys):
+    """Negative controls: the model returned as it came, and only its last block wrapped."""
+    assert not lesson.check_checkpointing(lambda model: model)
+    assert "not every block is checkpointed" in capsys.readouterr().out
+    last_only = defined(
+        "def my_checkpointing(model):\n"
+        "    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper\n"
+        "    model[3] = checkpoint_wrapper(model[3])\n"
+        "    return model\n")
+    assert not lesson.check_checkpointing(last_only)
+    assert "not every block is checkpointed" in capsys.readouterr().out
+
+
+def test_activation_memory_counts_saved_tensors_not_parameters():
+    """What the notebook measures: without checkpointing nothing is recomputed and every block's insides are
+    saved; with a checkpoint per block the saved bytes are the blocks' inputs and the output (5 tensors of 64 x 512
+    fp32 here) and one block is recomputed at a time."""
+    import torch
+    X = torch.randn(64, 512)
+    plain = lesson.activation_memory(lesson.mlp_blocks(), X)
+    assert plain["at_once"] == 0 and plain["peak_bytes"] is None
+    model = lesson.checkpoint_solution(lesson.mlp_blocks())
+    ckpt = lesson.activation_memory(model, X, [m._checkpoint_wrapped_module for m in model])
+    assert ckpt["saved_bytes"] == 5 * 64 * 512 * 4 and ckpt["at_once"] == 1
+    assert plain["saved_bytes"] > 5 * ckpt["saved_bytes"]
+    assert all(torch.allclose(ckpt["grads"][n], g, atol=1e-6) for n, g in plain["grads"].items())

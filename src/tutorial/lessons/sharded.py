@@ -13,7 +13,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ..core.config import TrainConfig
+from ..core.config import TrainConfig, first_line
 from ..core.distributed import teardown
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -137,13 +137,10 @@ def load_parameters(out: str) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"no checkpoint in {out!r}")
 
 
-def parameter_vector(out: str) -> torch.Tensor:
-    return torch.cat([v.float().reshape(-1) for k, v in sorted(load_parameters(out).items())])
-
-
 def max_difference(a: str, b: str) -> float:
-    """The largest difference between two runs' parameters (0.0: bitwise the same)."""
-    return (parameter_vector(a) - parameter_vector(b)).abs().max().item()
+    """The largest difference between two runs' parameters, from their output folders (0.0: bitwise the same)."""
+    first, second = load_parameters(a), load_parameters(b)
+    return max((first[k].float() - second[k].float()).abs().max().item() for k in sorted(first))
 
 
 def checkpoint_files(out: str) -> list[str]:
@@ -238,6 +235,129 @@ def check_fully_shard(shard_fn) -> dict:
     finally:
         if created:
             dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------- activation checkpointing (measured)
+def mlp_blocks(depth: int = 4, width: int = 512, seed: int = 0) -> torch.nn.Sequential:
+    """The model 09's activation-checkpointing cells use: `depth` transformer-like MLP blocks (width -> 4 width ->
+    width), the repeated unit that one would checkpoint (and shard) one by one. The same weights for a seed."""
+    from torch import nn
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                           for _ in range(depth)])
+
+
+def activation_memory(model, X, blocks=None) -> dict:
+    """One forward and backward of model on X, measured three ways:
+    - saved_bytes: what autograd keeps for backward, in bytes: every tensor handed to saved_tensors_hooks' pack hook
+      during forward, each storage counted once and the parameters left out (they are held anyway). Runs anywhere;
+      it is tensor bytes, not what an allocator reports.
+    - peak_bytes: on a CUDA device, torch.cuda.max_memory_allocated during forward and backward above what was
+      allocated before (weights, input); None on the CPU, which has no such counter.
+    - at_once: the most blocks recomputed during backward whose backward had not yet run (1 when each block is
+      checkpointed on its own; all of them when the whole model is one checkpoint; 0 without checkpointing).
+    blocks: the modules to watch (default: model's children, or the children of its `blocks`/first child)."""
+    blocks = list(blocks if blocks is not None else model.children())
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    state = {"backward": False, "live": set(), "at_once": 0}
+
+    def recomputed(module, args, i):
+        if state["backward"]:  # a block's forward during backward is checkpointing's recomputation
+            state["live"].add(i)
+            state["at_once"] = max(state["at_once"], len(state["live"]))
+
+    def through(param, i):
+        state["live"].discard(i)  # this block's backward ran: its recomputed activations can go
+
+    handles = [b.register_forward_pre_hook(lambda m, a, i=i: recomputed(m, a, i)) for i, b in enumerate(blocks)]
+    handles += [p.register_post_accumulate_grad_hook(lambda p, i=i: through(p, i))
+                for i, b in enumerate(blocks) for p in b.parameters()]
+    cuda = X.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(X.device)
+        torch.cuda.reset_peak_memory_stats(X.device)
+        before = torch.cuda.memory_allocated(X.device)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(X).square().mean()
+        state["backward"] = True
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    peak = torch.cuda.max_memory_allocated(X.device) - before if cuda else None
+    grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in _named_block_parameters(blocks)}
+    return {"saved_bytes": sum(saved.values()), "peak_bytes": peak, "at_once": state["at_once"], "grads": grads}
+
+
+def _named_block_parameters(blocks):
+    for i, block in enumerate(blocks):
+        for name, p in block.named_parameters():
+            yield f"{i}.{name}", p
+
+
+def checkpoint_solution(model):
+    """Exercise 3: checkpoint each block of a model one cannot edit. apply_activation_checkpointing wraps every
+    module check_fn accepts in a CheckpointWrapper whose default is the non-reentrant checkpoint."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    blocks = set(model.children())
+    apply_activation_checkpointing(model, check_fn=lambda module: module in blocks)
+    return model
+
+
+def check_checkpointing(checkpoint_fn, depth: int = 4) -> bool:
+    """Exercise 3: checkpoint_fn(model) must return mlp_blocks() with each block checkpointed. Compared with the
+    same model unwrapped: the same gradients (within 1e-6), less than half the saved activations, and one block
+    recomputed at a time during backward. Prints what is wrong, on the CPU."""
+    X = torch.randn(64, 512, generator=torch.Generator().manual_seed(1))
+    reference = activation_memory(mlp_blocks(depth), X)
+    model = mlp_blocks(depth)
+    blocks = list(model.children())  # the learner's wrappers call these same modules
+    problems = []
+    try:
+        wrapped = checkpoint_fn(model)
+        wrapped = model if wrapped is None else wrapped
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the reentrant checkpoint's "None of the inputs..."
+            got = activation_memory(wrapped, X, blocks)
+    except RuntimeError as exc:
+        if "does not require grad" in str(exc):
+            problems.append("backward has nothing to differentiate: a reentrant checkpoint (use_reentrant=True, "
+                            "CheckpointImpl.REENTRANT) passes gradients only through inputs that require grad, and "
+                            "the data going into the first block does not; use the non-reentrant one "
+                            "(use_reentrant=False, CheckpointImpl.NO_REENTRANT, apply_activation_checkpointing's "
+                            "default)")
+        else:
+            problems.append(f"forward or backward failed: {type(exc).__name__}: {first_line(exc)}")
+        got = None
+    if got is not None:
+        missing = [n for n, g in got["grads"].items() if g is None]
+        wrong = [n for n, g in got["grads"].items()
+                 if g is not None and not torch.allclose(g, reference["grads"][n], rtol=1e-5, atol=1e-6)]
+        if missing:
+            problems.append(f"no gradient for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}: "
+                            "those blocks were cut out of the graph")
+        elif wrong:
+            problems.append(f"gradients differ from the plain model's for {', '.join(wrong[:3])}")
+        if got["saved_bytes"] > reference["saved_bytes"] / 2:
+            problems.append(f"saved activations {got['saved_bytes']:,} bytes against {reference['saved_bytes']:,} "
+                            "without checkpointing: not every block is checkpointed")
+        elif got["at_once"] > 1:
+            problems.append(f"backward recomputed {got['at_once']} blocks at once: the whole model is one "
+                            "checkpoint, so its recomputation holds every block's activations again and the peak "
+                            "stays the plain model's; checkpoint each block on its own")
+    for p in problems:
+        print("  -", p)
+    print(f"each block checkpointed, same gradients: {not problems}")
+    return not problems
 
 
 # -------------------------------------------------------------------------------------------- launch from a cell
