@@ -1,8 +1,8 @@
 """The course plan, the notebooks' first cells and the speaker notes state the same minutes and prerequisites.
 
 Four places give a notebook's teaching time: its first markdown cell ("**Time:** about N minutes"), the first section
-of its speaker notes ("- N minutes."), the sum of the notes' sections (each "## Section" starts with "- N minutes."),
-and the row of `slides/course_plan.md`. Review 4 found them 5-35 minutes apart, and a core day that the plan said
+of its speaker notes ("- N minutes."), the sum of the notes' sections (each "## Section" starts with "- N minutes.",
+and every "## " section of the notebook has one), and the rows of `slides/course_plan.md`. Review 4 found them 5-35 minutes apart, and a core day that the plan said
 fits in 4 h 55 while the notes' own minutes came to about 5 h 30. Each check below returns the problems it finds, so
 that `test_the_checks_find_what_review_4_found` can run the same checks on 984c965's files (the negative control).
 """
@@ -63,6 +63,27 @@ def notes_sections(files: Files, stem: str) -> list[tuple[str, int | None, str]]
         m = re.match(r"- (?:About |about )?(\d+) minutes?\b", first)
         out.append((heading, int(m.group(1)) if m else None, "\n".join(body)))
     return out
+
+
+def normalize(text: str) -> str:
+    """A heading as scripts/slides_export.py matches notes to it: no markup, lower case, single spaces."""
+    text = re.sub(r"[`*_]", "", text.lstrip("#")).replace("\u00b7", " ")
+    return " ".join(text.lower().split())
+
+
+def notebook_sections(files: Files, stem: str) -> list[str]:
+    """The notebook's '## ' headings (outside code blocks): the sections a learner sees, each to be timed."""
+    found = []
+    for cell in json.loads(files.read(f"notebooks/{stem}.ipynb"))["cells"]:
+        if cell["cell_type"] != "markdown":
+            continue
+        fenced = False
+        for line in "".join(cell["source"]).splitlines():
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif not fenced and line.startswith("## "):
+                found.append(line[3:].strip())
+    return found
 
 
 def first_cell(files: Files, stem: str) -> str:
@@ -145,6 +166,10 @@ def minutes_problems(files: Files) -> list[str]:
         untimed = [h for h, m, _ in sections if m is None]
         if untimed:
             problems.append(f"{stem}: notes sections without '- N minutes.': {untimed}")
+        keys = [normalize(h) for h, _, _ in sections]
+        unnoted = [h for h in notebook_sections(files, stem) if not any(normalize(h).startswith(k) for k in keys)]
+        if unnoted:
+            problems.append(f"{stem}: notebook sections with no notes section, so no minutes: {unnoted}")
         parts = sum(m or 0 for _, m, _ in sections[1:])
         if parts != total:
             problems.append(f"{stem}: the notes' sections add up to {parts} min, their first section says {total}")
@@ -292,6 +317,7 @@ def test_the_checks_find_what_review_4_found():
     assert "06_multi_node: the plan gives 40 min, the notes 45" in minutes  # item 15
     assert "10_when_things_go_wrong: notes sections without" in minutes  # item 23: section 11 untimed
     assert "07_scaling_study: the notes' sections add up to" in minutes  # item 24
+    assert "06_multi_node: notebook sections with no notes section" in minutes  # 'Without a scheduler', untimed
     core = "\n".join(core_day_problems(files))
     assert "more than 300" in core and "no setup block" in core
     assert len(skip_problems(files)) == len(files.stems())  # no notes file had a skip list
