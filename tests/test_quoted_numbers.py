@@ -19,7 +19,7 @@ time in whole seconds ("each launch takes about 25 s"). They match when they agr
 prints: `0.62` matches 0.615 to 0.625, `2.2` matches 2.15 to 2.25; an integer's trailing zeros are not significant
 (`4,800` matches 4,750 to 4,850), but the tolerance never exceeds 5% of the value (`100%` matches 95 to 105). A
 percent also matches the fraction (`78.8%` ~ 0.7883), a time in s/ms/µs the same time printed in the neighbouring
-unit, and a range (`20-25 s`) any number within it. Units are not compared: the check catches a stale value, it does
+unit (s, ms, µs), and a range (`20-25 s`) any number within it. Units are not compared: the check catches a stale value, it does
 not prove which output a sentence means. A number read from an output that changes from run to run (a time, a
 samples/s) must be brought up to date when the notebook is re-executed; prose that should survive that says "several
 times slower" or gives a range.
@@ -36,6 +36,7 @@ notes line is one item), back to the previous marker:
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -175,8 +176,12 @@ def quotes_in(text: str, where: str, source: str = "", every_number: bool = Fals
                     continue
                 before = RANGE_LOW.search(clean[:m.start()])
                 low = parse(before["low"]) if before and unit else None
-                lineno = first + block[:offset + m.start()].count("\n")
-                line = block.splitlines()[lineno - first]
+                at = offset + m.start()
+                lineno = first + block[:at].count("\n")
+                column = at - (block.rfind("\n", 0, at) + 1)
+                whole = block.splitlines()[lineno - first]
+                # the words around the number, so a long notes line still shows where it is
+                line = ("..." if column > 70 else "") + whole[max(0, column - 70):column + 60]
                 found.append(Quote(f"{where} line {lineno}" if "\n" in text else where, line.strip(),
                                    m.group(0).strip(), parse(num), unit, piece_source, low))
     return found
@@ -197,7 +202,9 @@ def candidates(quote: Quote) -> list[float]:
     if quote.unit == "%":
         values.append(quote.value / 100)
     if quote.unit in TIME_UNITS:
-        values += [quote.value * 1e3, quote.value * 1e-3]
+        # the same time printed in s, ms or µs ("476 µs" as 0.476 ms; a profiler's "18.489ms" for "18.5 ms")
+        seconds = quote.value * TIME_UNITS[quote.unit]
+        values += [v for v in (seconds, seconds * 1e3, seconds * 1e6) if not math.isclose(v, quote.value)]
     return values
 
 
@@ -306,7 +313,7 @@ def unmatched(path: Path, notebook: dict | None = None, notes: str | None = None
             near = sorted(set(pool), key=lambda v: abs(v - quote.value))[:3]
             shown = ", ".join(f"{v:g}" for v in near) or "none"
             problems.append(f"{path.stem} {quote.where}: {quote.text!r} is not in {whose}'s outputs "
-                            f"(nearest: {shown}) in: {quote.line[:160]}")
+                            f"(nearest: {shown}) in: {quote.line}")
     return problems
 
 
@@ -334,6 +341,7 @@ if "pytest" in sys.modules:
         ("the loss went 0.0645 to 0.1577", "test loss 0.0633, 0.1678", False),   # item 18
         ("accuracy 78.8%", "test accuracy 0.7883", True),                # a percent is also a fraction
         ("476 µs for 4 KiB", "0.476 ms", True),                          # the neighbouring unit
+        ("a timeout of 300 s", "0.3", False),                            # ... not kiloseconds
         ("it took 1.8x less", "1.79", True),
         ("each launch takes about 20-25 s", "took 23 s", True),          # a range
         ("each launch takes about 20-25 s", "took 31 s", False),
