@@ -13,14 +13,14 @@ import shutil
 import subprocess
 import sys
 
-from .core.config import STAGES  # noqa: E402 - every trainer: train_<stage>.py
+from .core.config import STAGES, first_line  # noqa: E402 - STAGES: every trainer, train_<stage>.py
 
 
 def _version(module: str):
     try:
         return importlib.import_module(module), None
     except Exception as exc:  # noqa: BLE001 - a broken install raises anything, report it as missing
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return None, f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def _mpi_runtime() -> str | None:
@@ -31,7 +31,7 @@ def _mpi_runtime() -> str | None:
         out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.strip().splitlines()[0] if out.strip() else exe
+    return first_line(out) or exe
 
 
 def _nvidia_driver() -> tuple[str, str] | None:

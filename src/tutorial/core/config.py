@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -21,6 +22,20 @@ BACKENDS = ("auto", "nccl", "gloo")
 
 class ConfigError(ValueError):
     """A bad option. The CLI prints it as one line and exits with code 2."""
+
+
+# gloo prefixes its errors with the C++ source line, "[/path/to/ProcessGroupGloo.cpp:123] ", which says nothing to
+# a person and would make every stored verdict depend on the build.
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ")
+
+
+def first_line(exc: BaseException | str, limit: int | None = 160) -> str:
+    """The first line of an exception's message (or of a text), without gloo's source prefix, cut to `limit`
+    characters (one line of a terminal or a notebook's output); "" when there is no message. Every one-line error
+    that quotes another error quotes it through this."""
+    lines = str(exc).strip().splitlines()
+    line = _SOURCE_PREFIX.sub("", lines[0].strip()) if lines else ""
+    return line[:limit] if limit else line
 
 
 # The fields only some trainers read, and which (by the stage in their file name: train_<stage>.py). Any other
@@ -184,7 +199,7 @@ def default_preset() -> str:
 def build_parser(description: str, stage: str | None = None) -> argparse.ArgumentParser:
     """Flags for every TrainConfig field (--batch-size sets batch_size); --preset picks the starting point. A flag
     that only other trainers read (ONLY_IN) is still accepted, so that giving it says why it does not apply here."""
-    parser = _OneLineErrors(description=description)
+    parser = OneLineErrorParser(description=description)
     parser.add_argument("--preset", default="smoke", help=f"starting point: {', '.join(PRESETS)} (default smoke)")
     for f in dataclasses.fields(TrainConfig):
         if f.name == "preset_name":
@@ -204,8 +219,9 @@ def build_parser(description: str, stage: str | None = None) -> argparse.Argumen
     return parser
 
 
-class _OneLineErrors(argparse.ArgumentParser):
-    """argparse prints the whole usage on a bad flag; a person needs the one line that names the problem."""
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints the whole usage on a bad flag; a person needs the one line that names the problem. Every
+    command line of the package that exits 2 on bad input parses with this."""
 
     def error(self, message):
         print(f"error: {message} (see --help)", file=sys.stderr)

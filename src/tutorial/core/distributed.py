@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
+from .config import ConfigError, first_line
 from .models import checksum
 from .process import free_port, threads_per_process
 
@@ -209,7 +209,7 @@ def meet(world: World, addr: str, port: int, timeout: float) -> dist.Store:
     except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
         if world.rank == 0 and not agent_store:
             raise RendezvousTimeout(f"rank 0 cannot host the rendezvous on {where}: "
-                                    f"{str(exc).strip().splitlines()[0]}") from None
+                                    f"{first_line(exc)}") from None
         raise unreachable from None
     if agent_store:  # torchrun's store outlives restarts: keep each attempt's keys apart, as torch itself does
         store = dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import BACKENDS, ConfigError, fail
+from .config import BACKENDS, ConfigError, OneLineErrorParser, fail
 
 
 @dataclass
@@ -221,8 +221,7 @@ PARALLEL_ONLY_IN = {"tp": ("2d",), "sequence_parallel": ("tp", "2d"), "micro_bat
 def parse_parallel_args(description: str, argv=None, stage: str | None = None) -> ParallelConfig:
     """--flag value for every ParallelConfig field; a bad value, or one train_<stage> would ignore, is one line and
     exit 2."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.error = lambda message: fail(f"{message} (see --help)")  # one line, not the whole usage
+    parser = OneLineErrorParser(description=description)
     for f in dataclasses.fields(ParallelConfig):
         flag = "--" + f.name.replace("_", "-")
         if isinstance(f.default, bool):

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import State, starting_fresh
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, first_line
 
 
 def checkpoint_dir(cfg: TrainConfig) -> str:
@@ -78,7 +78,7 @@ def resume_dcp(cfg: TrainConfig, model, optimizer) -> State:
     try:
         load(loaded, checkpoint_id=path)
     except Exception as exc:  # noqa: BLE001 - another model, missing or truncated files: one line for a person
-        raise ConfigError(f"checkpoint {path!r} does not fit this model and optimizer: {_first_line(exc)}") from None
+        raise ConfigError(f"checkpoint {path!r} does not fit this model and optimizer: {first_line(exc) or type(exc).__name__}") from None
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
     return State(**json.loads(loaded["state"]))
 
@@ -109,7 +109,7 @@ def resume_deepspeed(cfg: TrainConfig, engine) -> State:
         states = sorted(glob.glob(os.path.join(path, tag, "*model_states.pt")))  # ZeRO-3 writes one per rank
         saved = torch.load(states[0], map_location="cpu", weights_only=False).get("dp_world_size")
     except (IndexError, OSError, RuntimeError, EOFError) as exc:
-        raise ConfigError(f"checkpoint {path!r} cannot be read: {_first_line(exc)}") from None
+        raise ConfigError(f"checkpoint {path!r} cannot be read: {first_line(exc) or type(exc).__name__}") from None
     here = dist.get_world_size() if dist.is_initialized() else 1
     if saved and saved != here:
         raise ConfigError(f"checkpoint {path!r} was written by {saved} ranks and DeepSpeed resumes its optimizer "
@@ -141,8 +141,3 @@ def _latest_tag(path: str) -> str:
             return f.read().strip()
     except OSError:
         return ""
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:160] if text else type(exc).__name__

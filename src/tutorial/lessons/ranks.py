@@ -8,19 +8,9 @@ traceback from an engine.
 """
 from __future__ import annotations
 
-import re
+from ..core.config import first_line
 
-# gloo prefixes its errors with the C++ source line, "[/path/to/ProcessGroupGloo.cpp:123] ", which says nothing to
-# a learner and would make every stored verdict depend on the build.
-_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ")
 LIMIT = 160  # characters of an error a verdict quotes: one line of a notebook's output
-
-
-def first_line(exc: BaseException | str, limit: int | None = LIMIT) -> str:
-    """The first line of an exception's message (or of a text), without gloo's source prefix, cut to `limit`."""
-    lines = str(exc).strip().splitlines()
-    line = _SOURCE_PREFIX.sub("", lines[0].strip()) if lines else ""
-    return line[:limit] if limit else line
 
 
 def describe(exc: BaseException, limit: int | None = LIMIT) -> str:
