@@ -19,7 +19,7 @@ from torch.utils.data.distributed import DistributedSampler  # DeepSpeed
 
 from .core import checkpoint, sharded_checkpoint, tracking  # DeepSpeed: every rank writes its partitions
 from .core.config import TrainConfig, parse_args
-from .core.deepspeed_compat import import_deepspeed, prepare, quiet  # DeepSpeed: its import, warnings, state
+from .core.deepspeed_compat import import_deepspeed, prepare, quiet_deepspeed  # DeepSpeed: its import, warnings, state
 from .core.data import build_datasets, make_loader
 from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # DeepSpeed
                                replica_checksums, teardown, world_from_env)
@@ -70,7 +70,7 @@ def build(cfg: TrainConfig, device: torch.device, world):  # DeepSpeed: needs ra
         # DeepSpeed: batch_norm kernel refuses ("expected scalar type BFloat16 but found Float").
         "fp16": {"enabled": cfg.precision == "fp16"},
         "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}  # DeepSpeed: our SGD; RunLog prints
-    with quiet():  # DeepSpeed: its note on our torch optimizer, also when a lesson calls build() directly
+    with quiet_deepspeed():  # DeepSpeed: its note on our torch optimizer, also when a lesson calls build() directly
         model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     torch.manual_seed(cfg.seed + world.rank)  # DeepSpeed: each rank its own random crops and flips
     return model, optimizer, train_loader, test_loader, lr
@@ -128,7 +128,7 @@ def evaluate(cfg, model, amp, loader, device):
 def main(cfg: TrainConfig) -> dict:
     device, amp, world, created = setup(cfg)  # DeepSpeed: and who we are
     try:  # DeepSpeed: leave the process group on every exit path, errors included
-        with quiet():  # DeepSpeed: its warnings that do not apply, hidden while it runs, not for the whole process
+        with quiet_deepspeed():  # DeepSpeed: its warnings that do not apply, hidden while it runs
             model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, world)  # DeepSpeed: world
             return train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr)  # DeepSpeed
     finally:  # DeepSpeed

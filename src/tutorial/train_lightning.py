@@ -23,7 +23,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.optim.lr_scheduler import LambdaLR
 
 from .core import checkpoint, tracking
-from .core.lightning_glue import LaunchedDDP, Launcher, RunRecord, quiet
+from .core.lightning_glue import LaunchedDDP, RunRecord, WorldEnvironment, quiet_lightning
 from .core.metrics import top5_correct
 from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader
@@ -119,7 +119,7 @@ def build(cfg: TrainConfig, device: torch.device, world):
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu", devices=world.local_world_size,
         num_nodes=world.world_size // world.local_world_size,
-        strategy=LaunchedDDP(cluster_environment=Launcher(world)), precision=PRECISION[cfg.precision],
+        strategy=LaunchedDDP(cluster_environment=WorldEnvironment(world)), precision=PRECISION[cfg.precision],
         max_epochs=cfg.epochs, max_steps=cfg.max_steps or -1, accumulate_grad_batches=cfg.grad_accum,
         gradient_clip_val=cfg.clip_grad or None, sync_batchnorm=cfg.sync_bn, callbacks=callbacks, logger=False,
         num_sanity_val_steps=0,
@@ -131,7 +131,7 @@ def build(cfg: TrainConfig, device: torch.device, world):
 def main(cfg: TrainConfig) -> dict:
     device, world, created = setup(cfg)
     try:
-        with quiet():  # Lightning's advice that does not apply here, hidden while it runs
+        with quiet_lightning():  # Lightning's advice that does not apply here, hidden while it runs
             module, trainer, train_loader, test_loader, log = build(cfg, device, world)
             # torch.compile of the whole LightningModule: Lightning unwraps it and compiles its forward.
             trainer.fit(torch.compile(module) if cfg.compile else module, train_loader, test_loader,

@@ -1,6 +1,7 @@
 """What train_deepspeed.py needs around DeepSpeed itself (09_sharded_training): its import, the warnings that do not
 apply, and two pieces of its private state. Infrastructure, not the lesson; kept here so the trainer has no
-process-wide side effects when it is imported (a notebook kernel imports it next to every other trainer)."""
+process-wide side effects when it is imported (a notebook kernel imports it next to every other trainer), and in
+core rather than beside the trainer because `tutorial doctor` imports DeepSpeed the same way (import_deepspeed)."""
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +26,7 @@ def import_deepspeed():
 
 
 @contextlib.contextmanager
-def quiet():
+def quiet_deepspeed():
     """While DeepSpeed trains: hide what does not apply here, torch 2.14's renames of the collectives it calls (said
     on every step) and its note on the torch optimizer we allow on purpose ("zero_allow_untested_optimizer")."""
     def not_untested(record: logging.LogRecord) -> bool:

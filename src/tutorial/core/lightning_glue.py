@@ -1,5 +1,9 @@
 """Lightning plumbing for train_lightning.py (08_lightning): where the ranks come from, and the run records every
-trainer writes. Infrastructure, not the lesson: the notebook shows the LightningModule and the Trainer."""
+trainer writes. Infrastructure, not the lesson: the notebook shows the LightningModule and the Trainer.
+
+It lives in core, not beside its trainer, because lessons.lightning and notebook 08 build a Trainer from the same
+pieces (a module beside train_lightning.py would be a trainer-room module that only one trainer reads; the trainer
+file stays what the notebook shows)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +17,10 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
 
-class Launcher(ClusterEnvironment):
+class WorldEnvironment(ClusterEnvironment):
     """Who am I, from the same world_from_env as every trainer: torchrun, mpirun, srun, PALS or the notebook
-    engines started the processes (Lightning must not start any), and the process group already exists."""
+    engines started the processes (Lightning must not start any), and the process group already exists. A
+    ClusterEnvironment (as Lightning's SLURMEnvironment or TorchElasticEnvironment): it answers, it launches nothing."""
 
     def __init__(self, world):
         super().__init__()
@@ -114,7 +119,7 @@ class LaunchedDDP(DDPStrategy):
 
 
 @contextlib.contextmanager
-def quiet():
+def quiet_lightning():
     """While Lightning runs: hide its advice that does not apply here. We start the processes ourselves (also where
     srun exists), out/ also holds metrics.json and tb/, and no cloud logger is wanted."""
     def not_litlogger(record: logging.LogRecord) -> bool:

@@ -165,7 +165,7 @@ def _stopping_trial(module_cls, stopper, epochs: int = 3) -> dict:
     import torch.distributed as dist
     from ..core.data import build_datasets, make_loader
     from ..core.distributed import world_from_env
-    from ..core.lightning_glue import LaunchedDDP, Launcher, quiet
+    from ..core.lightning_glue import LaunchedDDP, WorldEnvironment, quiet_lightning
     world = world_from_env()
     created = not dist.is_initialized()
     cfg = TrainConfig.preset("smoke", schedule="constant", warmup_epochs=0, workers=0)
@@ -183,11 +183,12 @@ def _stopping_trial(module_cls, stopper, epochs: int = 3) -> dict:
     L.seed_everything(0, verbose=False)
     module = module_cls(cfg, info, cfg.lr, len(train))
     trainer = L.Trainer(accelerator="cpu", devices=world.local_world_size, num_nodes=world.world_size //
-                        world.local_world_size, max_epochs=epochs, strategy=LaunchedDDP(cluster_environment=Launcher(world)),
+                        world.local_world_size, max_epochs=epochs,
+                        strategy=LaunchedDDP(cluster_environment=WorldEnvironment(world)),
                         callbacks=[copy.deepcopy(stopper), Watch()], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     try:
-        with quiet(), warnings.catch_warnings():
+        with quiet_lightning(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "log with sync_dist=True": the verdict says it in its place
             trainer.fit(module, train, test)
         return {"seen": seen, "epochs": trainer.current_epoch}
@@ -232,8 +233,3 @@ def check_early_stopping(stopper, module_cls=None, cluster=None) -> bool:
         print("  -", p)
     print(f"early stopping watches the test loss sensibly: {not problems}")
     return not problems
-
-
-def lightning_log_dir(out: str) -> list[str]:
-    """What a Lightning run left in its output folder."""
-    return sorted(os.listdir(out))

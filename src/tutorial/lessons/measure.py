@@ -17,11 +17,6 @@ from ..core.precision import Precision
 from .ranks import describe
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @contextlib.contextmanager
 def _native_stderr_silenced():
     """Send file descriptor 2 to /dev/null: the profiler's C++ library (kineto) writes timestamped progress lines
