@@ -20,32 +20,28 @@ case "${HOROVOD_GPU_OPERATIONS:-}" in
 esac
 
 # 1. system packages
+# apt_install WHY PACKAGE...: as root with apt-get, install them and return 0; otherwise return 1 (the caller says
+# what to do instead: the MPI toolchain is required, the slides' browser is not).
+apt_install() {
+  local why=$1; shift
+  [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null || return 1
+  say "apt-get install $*$why"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
 missing=()
 command -v mpicc >/dev/null || missing+=(openmpi-bin libopenmpi-dev)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
-if ((${#missing[@]})); then
-  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    say "apt-get install ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-  else
-    die "missing ${missing[*]}: install them (sudo apt-get install ${missing[*]}), or load your site's MPI, cmake and compiler modules"
-  fi
+if ((${#missing[@]})) && ! apt_install "" "${missing[@]}"; then
+  die "missing ${missing[*]}: install them (sudo apt-get install ${missing[*]}), or load your site's MPI, cmake and compiler modules"
 fi
 # For the slides only: npm fetches reveal.js once (`make slides`), Debian's chromium renders every deck headless
 # (tests/test_slides.py; about a minute to install). Without root the rest still installs, and the test is skipped.
 slides=()
 command -v npm >/dev/null || slides+=(nodejs npm)
 command -v chromium >/dev/null || slides+=(chromium)
-if ((${#slides[@]})); then
-  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    say "apt-get install ${slides[*]} (slides and their browser test)"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${slides[@]}" >/dev/null
-  else
-    say "note: ${slides[*]} missing: make slides and its browser test need them (sudo apt-get install ${slides[*]})"
-  fi
+if ((${#slides[@]})) && ! apt_install " (slides and their browser test)" "${slides[@]}"; then
+  say "note: ${slides[*]} missing: make slides and its browser test need them (sudo apt-get install ${slides[*]})"
 fi
 
 # 2. the virtual environment
