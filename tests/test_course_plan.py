@@ -180,6 +180,8 @@ def minutes_problems(files: Files) -> list[str]:
         planned = sum(r["minutes"] or 0 for r in mine)
         if planned != total:
             problems.append(f"{stem}: the plan gives {planned} min, the notes {total}")
+        if len(mine) > 1 and all(named_parts(r["text"], sections) is None for r in mine):
+            problems.append(f"{stem}: split over {len(mine)} rows of the plan, none naming its sections")
         for r in mine:
             named = named_parts(r["text"], sections) if len(mine) > 1 else None
             if named is not None and sum(m or 0 for _, m, _ in named) != r["minutes"]:
