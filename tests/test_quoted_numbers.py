@@ -72,6 +72,7 @@ VERSIONED = re.compile(
 # The low end of a range whose high end carries the unit: "about 20-25 s", "15 to 25 s".
 RANGE_LOW = re.compile(r"(?<![\w.])(?P<low>\d[\d,]*(?:\.\d+)?)\s?(?:-|\u2013|to)\s?$")
 ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.)\s")
+COMMENT = re.compile(r"<!--(?!\s*(?:cited|derived)\s*:).*?-->", re.DOTALL)
 MARKER = re.compile(r"<!--\s*(?P<kind>cited|derived)\s*:\s*(?P<text>[^\s-].*?)\s*-->", re.DOTALL)
 # Text that never holds a quoted measurement: fenced blocks, code spans, LaTeX, comments, link targets, URLs, dates,
 # clock times, scientific notation, cell references, "§3", "issue 29", "#94636".
@@ -145,8 +146,9 @@ def quotes_in(text: str, where: str, source: str = "", every_number: bool = Fals
     """Measured-looking numbers of one Markdown text. A marker covers the numbers before it in its paragraph, table
     row group or list item (back to the previous marker)."""
     found = []
-    # Fenced code first: a block with a blank line in it would otherwise be cut into paragraphs with its fences apart.
-    text = SKIPPED[0].sub(blank, text)
+    # Fenced code and comments (not markers) first: one with a blank line in it would otherwise be cut into
+    # paragraphs with its ends apart.
+    text = COMMENT.sub(blank, SKIPPED[0].sub(blank, text))
     for first, block in blocks(text):
         pieces, start = [], 0
         for marker in MARKER.finditer(block):
@@ -276,12 +278,14 @@ def quotes_of(notebook: dict, notes: str | None) -> list[Quote]:
         if cell["cell_type"] == "markdown":
             found += quotes_in("".join(cell["source"]), f"md[{index}]")
     if notes is not None:
-        title = "top"
-        for line in notes.splitlines():
+        # section by section, as the slides show them ("## Title", then one bullet per line); the body is padded
+        # with empty lines so that the line numbers in messages are the file's
+        lines, title, start = notes.splitlines(), "(before the first section)", 0
+        for lineno, line in enumerate([*lines, "## (end)"]):
             if line.startswith("## "):
-                title = line[3:].strip()
-                continue
-            found += quotes_in(line, f"notes \u00a7 {title}")
+                body = "\n" * start + "\n".join(lines[start:lineno])
+                found += quotes_in(body + "\n", f"notes \u00a7 {title}")
+                title, start = line[3:].strip(), lineno + 1
     return found
 
 
@@ -312,7 +316,7 @@ def unmatched(path: Path, notebook: dict | None = None, notes: str | None = None
         if not matches(quote, pool):
             near = sorted(set(pool), key=lambda v: abs(v - quote.value))[:3]
             shown = ", ".join(f"{v:g}" for v in near) or "none"
-            problems.append(f"{path.stem} {quote.where}: {quote.text!r} is not in {whose}'s outputs "
+            problems.append(f"{path.stem} {quote.where}: {quote.text!r} is not in {whose}'s outputs or code "
                             f"(nearest: {shown}) in: {quote.line}")
     return problems
 
@@ -371,7 +375,7 @@ if "pytest" in sys.modules:
         stale = tmp_path / "stale.ipynb"
         stale.write_text(json.dumps(fake("takes 0.58 s a batch", "batch time 0.618 s")))
         done = subprocess.run([*script, str(stale)], capture_output=True, text=True)
-        assert done.returncode == 1 and "'0.58 s' is not in stale's outputs (nearest: 0.618" in done.stdout
+        assert done.returncode == 1 and "'0.58 s' is not in stale's outputs or code (nearest: 0.618" in done.stdout
 
     def test_the_checker_finds_what_984c965_got_wrong():
         """Review 4's contradictions that are numbers, on the commit it read: stale losses in 08's and 10's notes,
