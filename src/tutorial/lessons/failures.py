@@ -100,6 +100,130 @@ def fresh_dir(name: str) -> str:
     return path
 
 
+# ------------------------------------------------------------------------------ the debug server (section 5)
+# torch.distributed.debug.start_debug_server (torch 2.14) is typed in the notebook; here: waiting for its front end,
+# taking its pages apart per rank, the conclusion they allow, and stopping it on every rank.
+_RANK_BLOCK = re.compile(r"<h2>Rank (\d+): (\S+?)</h2>\s*(?:<p>Failed to fetch: status=(\d+)</p>\s*)?<pre>(.*?)</pre>",
+                         re.S)
+_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+
+
+def wait_for_front_end(port: int, timeout: float = 60) -> None:
+    """Wait until rank 0's debug front end accepts connections on 127.0.0.1:port (it starts in a process of its
+    own, seconds after start_debug_server returns); TimeoutError after `timeout` s."""
+    import socket
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no debug front end on 127.0.0.1:{port} within {timeout:g} s") from None
+            time.sleep(0.2)
+
+
+def by_rank(page: str) -> dict[int, str]:
+    """The per-rank parts of a front-end page (/stacks, /fr_trace_json): {rank: text}. A rank whose worker server
+    did not answer maps to 'failed: status N'. The pages are HTML that Jinja2 fills without escaping: the text
+    between <pre> and </pre> is the worker's answer as it came."""
+    return {int(rank): (text if not status else f"failed: status {status}")
+            for rank, _url, status, text in _RANK_BLOCK.findall(page)}
+
+
+def worker_ports(page: str) -> list[int]:
+    """The ports of the ranks' worker servers, from the addresses a front-end page names (http://host:port/...)."""
+    return [int(re.search(r":(\d+)/", url).group(1)) for _rank, url, _status, _text in _RANK_BLOCK.findall(page)]
+
+
+def collective_frame(stacks: str) -> tuple[str, str] | None:
+    """From one rank's faulthandler dump (the /stacks text): (the torch.distributed function its thread waits in,
+    the caller's place: 'line N of the cell' for code run in a notebook, else 'file:line'), or None when no thread
+    is inside torch.distributed."""
+    for thread in re.split(r"\n\s*\n", stacks):
+        frames = _FRAME.findall(thread)  # innermost first
+        inside = [i for i, (path, _, _) in enumerate(frames) if "/torch/distributed/" in path]
+        if not inside:
+            continue
+        op = next(fn for path, _, fn in frames if path.endswith("distributed_c10d.py"))
+        caller = next(((path, line) for path, line, _ in frames[inside[-1] + 1:]), None)
+        if caller is None:
+            return op, "(no caller)"
+        path, line = caller
+        cell = "ipykernel_" in path or re.fullmatch(r"\d+\.py", os.path.basename(path))  # IPython's cell files
+        return op, f"line {line} of the cell" if cell else f"{os.path.basename(path)}:{line}"
+    return None
+
+
+def last_collectives(events: str) -> list[dict]:
+    """One rank's flight-recorder dump (the /fr_trace_json text) reduced to its latest process group's collectives,
+    in order: [{"seq": 1, "op": "all_reduce", "sizes": [[4]], "completed": True}, ...]. The recorder is one ring
+    buffer per process, across every process group the process has made, so older groups are dropped."""
+    entries = json.loads(events).get("entries", [])
+    if not entries:
+        return []
+    latest = max(e["pg_id"] for e in entries)
+    return [{"seq": e["collective_seq_id"], "op": e["profiling_name"].split(":")[-1], "sizes": e["input_sizes"],
+             "completed": bool(e["retired"])} for e in entries if e["pg_id"] == latest]
+
+
+def diagnose(stacks_page: str, events_page: str) -> list[str]:
+    """What the debug server's two pages say together, one line per rank and a conclusion: which collective (and
+    its sequence number, from the flight recorder) every rank waits in, called from which line (from its stack)."""
+    stacks, events = by_rank(stacks_page), by_rank(events_page)
+    lines, waiting = [], {}
+    for rank in sorted(events):
+        if events[rank].startswith("failed:"):
+            lines.append(f"rank {rank}: its worker server did not answer ({events[rank]})")
+            continue
+        done = [c for c in last_collectives(events[rank]) if c["completed"]]
+        pending = [c for c in last_collectives(events[rank]) if not c["completed"]]
+        so_far = f"collectives #1-#{done[-1]['seq']} completed" if done else "no collective completed"
+        frame = collective_frame(stacks.get(rank, ""))
+        where = f" ({frame[1]})" if frame else ""
+        if pending:
+            waiting[rank] = pending[0]
+            lines.append(f"rank {rank}: waits in {pending[0]['op']} #{pending[0]['seq']}{where}; {so_far}")
+        else:
+            lines.append(f"rank {rank}: in no collective; {so_far}")
+    seqs = {c["seq"] for c in waiting.values()}
+    ops = {c["op"] for c in waiting.values()}
+    if len(waiting) < len(events):
+        idle = sorted(set(events) - set(waiting))
+        lines.append(f"so: rank(s) {idle} never reached the collective the others wait in; look at their stacks")
+    elif len(seqs) == 1 and len(ops) > 1:
+        seq = seqs.pop()
+        calls = ", ".join(f"{c['op']} on rank {r}" for r, c in sorted(waiting.items()))
+        lines.append(f"so: collective #{seq} differs between the ranks ({calls}): before it, a rank skipped a "
+                     "collective the other called, and every later one pairs with the wrong partner")
+    elif len(seqs) > 1:
+        lines.append("so: the ranks wait at different sequence numbers: the one furthest behind skipped a collective")
+    else:
+        lines.append("so: every rank waits in the same collective: look for a rank that is slow, not one that skipped")
+    return lines
+
+
+def listening(ports) -> dict[int, str]:
+    """{port: the address it listens on} for those of `ports` that some process on this host listens on ('::'
+    and '0.0.0.0' mean every interface of the host)."""
+    import psutil
+    wanted = set(ports)
+    return {c.laddr.port: c.laddr.ip for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port in wanted}
+
+
+def stop_debug_server() -> None:
+    """On an engine: stop what start_debug_server started on this rank. torch 2.14.1's stop_debug_server works on
+    rank 0 only: elsewhere it asserts that the front-end process exists (only rank 0 has one) before it shuts
+    anything down, so the other ranks shut their worker server down themselves, as it would."""
+    from torch.distributed import debug
+    if debug._DEBUG_SERVER_PROC is not None:
+        debug.stop_debug_server()  # rank 0: the front end's process and the worker server
+    elif debug._WORKER_SERVER is not None:
+        debug._WORKER_SERVER.shutdown()
+        debug._WORKER_SERVER = None
+
+
 # ---------------------------------------------------------------------------------------------------- exercises
 def _loss_of(rank: int, world_size: int) -> tuple:
     return (float(rank + 1),)
