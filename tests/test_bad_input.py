@@ -45,5 +45,17 @@ def test_ddp_rejects_sync_bn_without_gpus():
 
 def test_cli_rejects_unknown_stage_and_command():
     assert_one_line_error(run([PYTHON, "-m", "tutorial", "train", "zero3"], check=False),
-                          "'zero3' is not one of: single, dp, ddp, horovod, fsdp, deepspeed, lightning")
+                          "'zero3' is not one of: single, dp, ddp, horovod, fsdp, deepspeed, lightning, gpt, tp, pp, 2d")
     assert_one_line_error(run([PYTHON, "-m", "tutorial", "frobnicate"], check=False), "'frobnicate'")
+    assert_one_line_error(run([PYTHON, "-m", "tutorial", "train", "tp", "--schedule", "gpipe"], check=False),
+                          "--schedule gpipe is not used by train_tp")  # the model-parallel trainers' own options
+
+
+def test_cli_lists_every_trainer():
+    """`tutorial train --help` names every train_*.py of the package (the subparsers come from cli.TRAINERS)."""
+    import re
+
+    from conftest import ROOT
+    trainers = sorted(p.stem.removeprefix("train_") for p in (ROOT / "src" / "tutorial").glob("train_*.py"))
+    listed = run([PYTHON, "-m", "tutorial", "train", "--help"]).stdout
+    assert len(trainers) >= 11 and [t for t in trainers if not re.search(rf"^ +{t}\b", listed, re.M)] == []

@@ -22,6 +22,7 @@ from tutorial.launch import commands, processes
 from tutorial.lessons import multi_node
 
 nodes, slurm = multi_node.vcluster()  # the tool, imported from this checkout's tools/vcluster/
+import vcluster.cluster as whole_cluster  # noqa: E402 - importable once vcluster() registered the package
 
 WHY_NOT = nodes.available()
 pytestmark = [pytest.mark.skipif(bool(WHY_NOT), reason=f"no virtual nodes here: {WHY_NOT}"),
@@ -60,7 +61,7 @@ def machine():
         try:
             yield
         finally:
-            nodes.down(quiet=True)
+            whole_cluster.down(quiet=True)
             assert not set(PAIR) & nodes.netns_list(), "namespaces left behind"
 
 
@@ -68,7 +69,7 @@ def machine():
 def pair(machine):
     """node1 and node2 (made again when a test removed them), names resolving to the cluster network."""
     if nodes.nodes() != list(PAIR):
-        nodes.up(2, quiet=True)
+        whole_cluster.up(2, quiet=True)
     nodes.self_on_loopback(False)
     yield PAIR
     nodes.self_on_loopback(False)

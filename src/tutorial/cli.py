@@ -7,13 +7,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import platform
 import re
 import shutil
 import subprocess
 import sys
 
-from .core.config import STAGES, first_line  # noqa: E402 - STAGES: every trainer, train_<stage>.py
+from .core.config import STAGES, OneLineErrorParser, first_line
+
+MODEL_PARALLEL = ("gpt", "tp", "pp", "2d")  # the GPT trainers (ParallelConfig); STAGES are the image trainers
+TRAINERS = (*STAGES, *MODEL_PARALLEL)  # train_<stage>.py, every one of them
+COMMANDS = {
+    "doctor": "what is installed; exit 1 with a fix per missing piece",
+    "train": "run a trainer in this process: tutorial train STAGE [options] (launch the distributed ones with "
+             "torchrun, mpirun or horovodrun)",
+    "bench": "throughput, all-reduce and scaling benchmarks (tutorial bench --help)",
+    "check-ddp": "run your DDP script under torchrun and say what is wrong (tutorial check-ddp --help)",
+}
 
 
 def _version(module: str):
@@ -132,8 +143,7 @@ def doctor_rows():
 
 
 def doctor(argv=None) -> int:
-    argparse.ArgumentParser(prog="tutorial doctor", description="What is installed; exit 1 if something is missing.") \
-        .parse_args(argv)
+    OneLineErrorParser(prog="tutorial doctor", description=COMMANDS["doctor"]).parse_args(argv)
     rows = doctor_rows()
     width = max(len(r[0]) for r in rows)
     for name, value, fix in rows:
@@ -149,40 +159,59 @@ def doctor(argv=None) -> int:
 
 
 def train(argv) -> int:
-    if not argv or argv[0] not in STAGES:
-        given = argv[0] if argv else "nothing"
-        print(f"error: stage {given!r} is not one of: {', '.join(STAGES)} "
-              "(usage: tutorial train STAGE [options]; launch the distributed ones with torchrun, mpirun or horovodrun)",
-              file=sys.stderr)
-        return 2
-    from .core.config import parse_args
+    """`tutorial train STAGE [options]`: the trainer's own main with its own options (its --help lists them)."""
+    stage, options = argv[0], argv[1:]
     from .core.process import run_main
-    module = importlib.import_module(f"tutorial.train_{argv[0]}")
-    run_main(module.main, parse_args(f"tutorial train {argv[0]}", argv[1:], stage=argv[0]))
+    module = importlib.import_module(f"tutorial.train_{stage}")
+    if stage in MODEL_PARALLEL:
+        from .core.gpt import parse_parallel_args
+        cfg = parse_parallel_args(f"tutorial train {stage}", options, stage=stage)
+    else:
+        from .core.config import parse_args
+        cfg = parse_args(f"tutorial train {stage}", options, stage=stage)
+    run_main(module.main, cfg)
     return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """`tutorial COMMAND ...`: the commands and, under train, every trainer. What follows a command (or a trainer) is
+    the command's own (main passes on what this parser does not know), so `tutorial train ddp --help` is train_ddp's
+    help."""
+    top = OneLineErrorParser(prog="tutorial", description="The workbook's command line (also python -m tutorial).")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineErrorParser)
+    for name, summary in COMMANDS.items():
+        command = commands.add_parser(name, help=summary, description=summary, add_help=name == "train")
+        if name == "train":
+            stages = command.add_subparsers(dest="stage", required=True, metavar="STAGE",
+                                            parser_class=OneLineErrorParser)
+            for stage in TRAINERS:
+                stages.add_parser(stage, help=_summary(stage), add_help=False)
+    return top
+
+
+def _summary(stage: str) -> str:
+    """The first line of train_<stage>.py's docstring, read (not imported: train_horovod needs Horovod)."""
+    import ast
+    path = importlib.util.find_spec("tutorial").submodule_search_locations[0] + f"/train_{stage}.py"
+    with open(path) as f:
+        return (ast.get_docstring(ast.parse(f.read())) or "").split("\n")[0]
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"doctor": doctor, "train": train}
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: tutorial {doctor,train,bench,check-ddp} ...\n\n"
-              "  doctor   what is installed; exit 1 with a fix per missing piece\n"
-              "  train    tutorial train {single,dp,ddp,horovod} [options] (see --help of each)\n"
-              "  bench    throughput, all-reduce and scaling benchmarks (tutorial bench --help)\n"
-              "  check-ddp  run your DDP script under torchrun and say what is wrong (tutorial check-ddp --help)")
-        return 0 if argv else 2
-    if argv[0] == "bench":
+    try:
+        args, options = parser().parse_known_args(argv)
+    except SystemExit as exc:  # --help (0), or a bad command or stage (2, its one line already printed)
+        return exc.code if isinstance(exc.code, int) else 0
+    if args.command == "bench":
         from . import bench
-        return bench.main(argv[1:])
-    if argv[0] == "check-ddp":
+        return bench.main(options)
+    if args.command == "check-ddp":
         from .launch import check_ddp
-        return check_ddp.main(argv[1:])
-    if argv[0] not in commands:
-        print(f"error: command {argv[0]!r} is not one of: doctor, train, bench, check-ddp", file=sys.stderr)
-        return 2
-    return commands[argv[0]](argv[1:])
-
+        return check_ddp.main(options)
+    if args.command == "train":
+        return train([args.stage, *options])
+    return doctor(options)
 
 if __name__ == "__main__":
     sys.exit(main())

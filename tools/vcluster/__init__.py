@@ -9,7 +9,7 @@ network namespaces, writes /etc/netns/*, starts Slurm's daemons and (only when a
     scripts/virtual_cluster.sh down             # remove everything (idempotent, also after a crash)
 
 `vcluster.nodes` makes the nodes (namespaces, addresses, host names, the lock), `vcluster.slurm` runs Slurm on them,
-`python -m vcluster` is the command line. Python code outside this folder (tests/test_virtual_cluster.py,
+`vcluster.cluster` takes both up and down together, `python -m vcluster` is the command line. Python code outside this folder (tests/test_virtual_cluster.py,
 tutorial.lessons.multi_node) imports it by its path in the checkout.
 
 Up to the root check the tool needs only the standard library, so a user who is not root gets one line saying so

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from . import nodes, slurm
+from . import cluster, nodes, slurm
 from .nodes import NodesError, SetupError
 
 
@@ -49,12 +49,12 @@ def main(argv: list[str] | None = None) -> int:
             n = nodes.node_count(args.n)
             nodes.require_root()
             with nodes.lock(timeout=5):  # not while a test or a notebook uses the nodes
-                nodes.up(n, slurm=args.slurm)
+                cluster.up(n, with_slurm=args.slurm)
             return 0
         nodes.require_root()
         if args.verb == "down":
             with nodes.lock(timeout=5):
-                nodes.down()
+                cluster.down()
         elif args.verb == "status":
             print(nodes.status())
         elif args.verb == "exec":

@@ -229,8 +229,9 @@ def _hosts_text(node: str, all_nodes: list[str], self_on_loopback: bool = False)
 
 
 # ------------------------------------------------------------------------------------------------ up, down
-def up(n: int, slurm: bool = False, quiet: bool = False) -> list[str]:
-    """Create node1..nodeN (replacing a virtual cluster that is up), and start Slurm on them if asked."""
+def up(n: int, quiet: bool = False) -> list[str]:
+    """Create node1..nodeN (replacing nodes that are up). The nodes only: vcluster.cluster.up also starts Slurm, and
+    stops a Slurm that runs on the nodes being replaced."""
     n = node_count(n)
     require_root()
     down(quiet=True)
@@ -262,25 +263,20 @@ def up(n: int, slurm: bool = False, quiet: bool = False) -> list[str]:
             _uts(node).touch()
             do("unshare", f"--uts={_uts(node)}", "hostname", node)
         write_state(dict(nodes=names, switch=SWITCH, complete=True, slurm=False))
-        if slurm:
-            from . import slurm as slurm_daemons
-            slurm_daemons.up(quiet=True)
     except BaseException:
         down(quiet=True)
         raise
     if not quiet:
-        print(f"up: {', '.join(f'{m} ({address(m)})' for m in names)} on {SWITCH}"
-              f"{'; Slurm: slurmctld on node1, slurmd on every node' if slurm else ''}")
+        print(f"up: {', '.join(f'{m} ({address(m)})' for m in names)} on {SWITCH}")
     return names
 
 
 def down(quiet: bool = False) -> None:
-    """Remove every node, the switch, their files and whatever runs inside them. Safe to repeat."""
-    from . import slurm
+    """Remove every node, the switch, their files and whatever runs inside them. Safe to repeat. The nodes only:
+    vcluster.cluster.down stops Slurm first (its daemons' files and munged live outside the namespaces)."""
     require_root()
     state = read_state()
     names = list(state.get("nodes", []))
-    slurm.down(quiet=True)
     existing = netns_list()
     for node in names:
         if node in existing:
@@ -356,13 +352,3 @@ def lock(timeout: float = 900.0):
         os.environ.pop(LOCK_HELD, None)
         held.release()
 
-
-@contextlib.contextmanager
-def cluster(n: int = 2, slurm: bool = False, lock_timeout: float = 900.0):
-    """`with nodes.cluster(2) as names:` a fresh virtual cluster, removed afterwards, even after an error."""
-    require_root()
-    with lock(lock_timeout):
-        try:
-            yield up(n, slurm=slurm, quiet=True)
-        finally:
-            down(quiet=True)

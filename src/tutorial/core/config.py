@@ -224,6 +224,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
     command line of the package that exits 2 on bad input parses with this."""
 
     def error(self, message):
+        choice = re.fullmatch(r"argument ([^:]+): invalid choice: (.+?) \(choose from (.+)\)", message)
+        if choice:  # argparse quotes every choice (Python 3.11); say it as the workbook's other one-line errors do
+            message = f"{choice[1]} {choice[2]} is not one of: {choice[3].replace(chr(39), '')}"
         print(f"error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
 

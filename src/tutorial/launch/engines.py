@@ -35,7 +35,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from types import ModuleType
 
 from ..core.config import ConfigError
 from ..core.process import Sigterm, Stopped, free_port, open_mpi_env, threads_per_process
@@ -544,7 +543,7 @@ class Cluster:
         self._require_running()
         if not callable(fn):
             raise ClusterError(f"run needs a function, got {fn!r}")
-        if self.engines[0].mpi_rank is None and _uses_horovod(fn):
+        if self.engines[0].mpi_rank is None and _needs_mpi_ranks(fn):
             raise ClusterError(f"{fn.__module__}.{fn.__qualname__} uses Horovod, which finds its ranks through MPI: "
                                f"start the cluster with engines='mpi'")
         if fresh:
@@ -671,12 +670,9 @@ def _name(fn) -> str:
     return qualname if module == "__main__" else f"{module.rsplit('.', 1)[-1]}.{qualname}"
 
 
-def _uses_horovod(fn) -> bool:
-    """Whether fn's module imported Horovod (train_horovod does, as hvd), which needs MPI ranks."""
-    module = sys.modules.get(getattr(fn, "__module__", None) or "__main__")
-    if module is None or module.__name__ == "__main__":
-        return False
-    return any(isinstance(v, ModuleType) and v.__name__.startswith("horovod") for v in vars(module).values())
+def _needs_mpi_ranks(fn) -> bool:
+    """Whether fn's module says it finds its ranks through MPI (train_horovod's RANKS_FROM_MPI = True)."""
+    return getattr(sys.modules.get(getattr(fn, "__module__", None) or ""), "RANKS_FROM_MPI", False) is True
 
 
 if __name__ == "__main__":

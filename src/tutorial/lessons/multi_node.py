@@ -123,7 +123,8 @@ class RehearsalNodes:
         self._nodes, self._slurm = tool or (None, None)
         if not self.why_not:
             try:
-                self._stack.enter_context(self._nodes.cluster(n, lock_timeout=lock_timeout))
+                whole = importlib.import_module("vcluster.cluster")  # nodes and Slurm, taken down together
+                self._stack.enter_context(whole.cluster(n, lock_timeout=lock_timeout))
             except (self._nodes.SetupError, OSError, subprocess.SubprocessError) as exc:
                 self.why_not = f"could not make virtual nodes: {exc}"
         if self.virtual and slurm:
