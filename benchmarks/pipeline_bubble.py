@@ -11,7 +11,7 @@ import os
 import sys
 
 from tutorial.bench.record import append_result
-from tutorial.core.gpt import ParallelConfig
+from tutorial.core.parallel_config import ParallelConfig
 from tutorial.lessons import model_parallel as mp
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import run, torchrun_cmd, train_cmd
 
-from tutorial.core.gpt import ParallelConfig
+from tutorial.core.parallel_config import ParallelConfig
 from tutorial.core.process import free_port
 from tutorial.lessons import model_parallel as mp
 

@@ -164,7 +164,7 @@ def train(argv) -> int:
     from .core.process import run_main
     module = importlib.import_module(f"tutorial.train_{stage}")
     if stage in MODEL_PARALLEL:
-        from .core.gpt import parse_parallel_args
+        from .core.parallel_config import parse_parallel_args
         cfg = parse_parallel_args(f"tutorial train {stage}", options, stage=stage)
     else:
         from .core.config import parse_args

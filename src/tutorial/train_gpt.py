@@ -14,8 +14,9 @@ import time
 import torch
 
 from .core.distributed import pick_device
-from .core.gpt import (GPT, CharCorpus, ParallelConfig, batches, loss_fn, parameter_bytes, parse_parallel_args,
-                       save_run)
+from .core.corpus import CharCorpus, batches
+from .core.gpt import GPT, loss_fn, parameter_bytes
+from .core.parallel_config import ParallelConfig, parse_parallel_args, save_run
 from .core.process import run_main
 
 

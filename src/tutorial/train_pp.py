@@ -23,8 +23,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from .core.config import ConfigError  # PP
 from .core.distributed import init_process_group, pick_device, teardown, world_from_env  # PP
-from .core.gpt import (GPT, CharCorpus, ParallelConfig, batches, loss_fn, parameter_bytes, parse_parallel_args,
-                       pipeline_stage, save_run)  # PP: cuts the model into stages
+from .core.corpus import CharCorpus, batches
+from .core.gpt import GPT, loss_fn, parameter_bytes, pipeline_stage  # PP: pipeline_stage cuts the model into stages
+from .core.parallel_config import ParallelConfig, parse_parallel_args, save_run
 from .core.process import run_main
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # PP
@@ -68,6 +69,9 @@ def train_step(schedule, optimizer, world, X, y, device) -> float:  # PP: the sc
     return loss.item()
 
 
+# PP: no evaluate(): only the last stage has the logits, and evaluating would take a schedule of its own
+
+
 def full_state(model) -> dict:
     """The whole model's weights, on the CPU: for the run's record."""  # PP: this stage's, gathered on rank 0
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -87,7 +91,6 @@ def train(cfg, device, world, model, optimizer, corpus, schedule) -> dict:  # PP
     for X, y in batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed):
         X, y = X.to(device), y.to(device)
         losses.append(train_step(schedule, optimizer, world, X, y, device))  # PP
-    # PP: no test loss: only the last stage has logits, and an evaluation would be a schedule of its own
     metrics = dict(strategy="pp", schedule=cfg.schedule, micro_batches=cfg.micro_batches,  # PP
                    world_size=world.world_size, device=str(device), steps=cfg.steps,
                    losses=losses, seconds=time.perf_counter() - start,

@@ -29,8 +29,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from .core.config import ConfigError  # TP
 from .core.distributed import init_process_group, pick_device, teardown, world_from_env  # TP
-from .core.gpt import (GPT, CharCorpus, ParallelConfig, batches, loss_fn, parameter_bytes, parse_parallel_args,
-                       save_run)
+from .core.corpus import CharCorpus, batches
+from .core.gpt import GPT, loss_fn, parameter_bytes
+from .core.parallel_config import ParallelConfig, parse_parallel_args, save_run
 from .core.process import run_main
 
 

@@ -1,4 +1,4 @@
-"""A small GPT and the text it learns, for the model-parallel stage (11_model_parallelism).
+"""A small GPT, the model of the model-parallel stage (11_model_parallelism).
 
 Every stage before 11 trains an image model that fits on one GPU. Tensor and pipeline parallelism split one model
 over several ranks, and the model they are usually taught on is a transformer: attention and MLP layers are a few
@@ -13,14 +13,10 @@ an MLP, a final LayerNorm and a linear head. Two choices serve the parallel trai
 Attention derives the number of heads from the tensor it gets (`-1` in view), because under tensor parallelism each
 rank holds only n_heads / tp of them.
 
-The text is the Zen of Python (PEP 20), shipped in every Python 3 as the `this` module: real English, the same bytes
-on every machine and Python version, no download.
+The text it learns is core.corpus; what the trainers read and write is core.parallel_config.
 """
 from __future__ import annotations
 
-import argparse
-import codecs
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -28,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import BACKENDS, ConfigError, OneLineErrorParser, fail
+from .config import ConfigError
 
 
 @dataclass
@@ -160,132 +156,6 @@ def pipeline_stage(model: GPT, stage: int, stages: int) -> GPT:
     if stage < stages - 1:
         model.norm = model.head = None
     return model
-
-
-# ----------------------------------------------------------------------------------------------- the trainers' config
-SCHEDULES = ("gpipe", "1f1b")
-
-
-@dataclass
-class ParallelConfig:
-    """What train_tp, train_pp and train_2d read (TrainConfig is about images). Unlike the data-parallel stages,
-    `batch_size` is the global batch: tensor-parallel ranks all see the same batch, pipeline stages cut it into
-    micro-batches, and 2D gives each data-parallel group batch_size / dp of it."""
-    # model (GPTConfig's fields)
-    context: int = 32
-    d_model: int = 64
-    n_heads: int = 4
-    n_layers: int = 2
-    # training
-    steps: int = 20               # optimizer steps
-    batch_size: int = 16          # the global batch, in sequences of `context` characters
-    lr: float = 3e-3              # AdamW
-    seed: int = 0                 # the weights and the batches: every rank and the one-process run use the same
-    # parallelism
-    tp: int = 2                   # train_2d: ranks per tensor-parallel group (the "tp" mesh dim); dp = world / tp
-    sequence_parallel: bool = True  # TP: the norms and the residual stream split along the sequence between layers
-    micro_batches: int = 4        # PP: micro-batches per step; batch_size must be a multiple of it
-    schedule: str = "1f1b"        # PP: gpipe (all forwards, then all backwards) or 1f1b (interleaved)
-    backend: str = "auto"         # auto: nccl on GPUs, gloo on CPUs
-    timeout: float = 300.0        # seconds a rank waits for the others
-    out: str = ""                 # rank 0 writes metrics.json and the whole model's model.pt here ("": nothing)
-
-    def gpt(self, vocab_size: int = 48) -> GPTConfig:
-        return GPTConfig(vocab_size=vocab_size, context=self.context, d_model=self.d_model, n_heads=self.n_heads,
-                         n_layers=self.n_layers).validate()
-
-    def validate(self) -> "ParallelConfig":
-        for name in ("steps", "batch_size", "tp", "micro_batches"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ConfigError(f"lr must be positive, got {self.lr}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule {self.schedule!r} is not one of: {', '.join(SCHEDULES)}")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"backend {self.backend!r} is not one of: {', '.join(BACKENDS)}")
-        if not self.timeout > 0:
-            raise ConfigError(f"timeout must be a positive number of seconds, got {self.timeout}")
-        self.gpt()
-        return self
-
-    def replace(self, **changes) -> "ParallelConfig":
-        return dataclasses.replace(self, **changes).validate()
-
-
-# The fields only some of the four trainers read; the others refuse a value other than the default in one line.
-PARALLEL_ONLY_IN = {"tp": ("2d",), "sequence_parallel": ("tp", "2d"), "micro_batches": ("pp",), "schedule": ("pp",),
-                    "backend": ("tp", "pp", "2d"), "timeout": ("tp", "pp", "2d")}  # train_gpt has no process group
-
-
-def parse_parallel_args(description: str, argv=None, stage: str | None = None) -> ParallelConfig:
-    """--flag value for every ParallelConfig field; a bad value, or one train_<stage> would ignore, is one line and
-    exit 2."""
-    parser = OneLineErrorParser(description=description)
-    for f in dataclasses.fields(ParallelConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            parser.add_argument(flag, type=type(f.default), default=f.default, metavar=f.name.upper())
-    try:
-        cfg = ParallelConfig(**vars(parser.parse_args(argv))).validate()
-        for name, stages in PARALLEL_ONLY_IN.items():
-            if stage and stage not in stages and getattr(cfg, name) != getattr(ParallelConfig(), name):
-                raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is not used by train_{stage}; it "
-                                  f"works in {', '.join('train_' + s for s in stages)}")
-        return cfg
-    except ConfigError as exc:
-        fail(exc)
-
-
-# ------------------------------------------------------------------------------------------------------- the text
-def corpus() -> str:
-    """The Zen of Python: `this.s` holds it ROT13-encoded (reading it is what `import this` prints)."""
-    import contextlib
-    import io
-    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` the first time prints the poem
-        import this
-    return codecs.decode(this.s, "rot13")
-
-
-class CharCorpus:
-    """Characters to ids and back, and the whole text as one int64 tensor."""
-
-    def __init__(self, text: str | None = None, vocab_size: int = 48):
-        self.text = corpus() if text is None else text
-        self.chars = sorted(set(self.text))
-        if len(self.chars) > vocab_size:
-            raise ConfigError(f"vocab-size {vocab_size} is smaller than the text's {len(self.chars)} characters")
-        self.index = {c: i for i, c in enumerate(self.chars)}
-        self.ids = torch.tensor([self.index[c] for c in self.text], dtype=torch.int64)
-
-    def decode(self, ids) -> str:
-        return "".join(self.chars[i] if i < len(self.chars) else "?" for i in ids)
-
-
-def batches(data: CharCorpus | torch.Tensor, batch_size: int, context: int, steps: int, seed: int = 0):
-    """`steps` batches (x, y) of random windows of the text: x (batch_size, context) int64, y the same shifted by one
-    character (the next character at every position). The same seed gives the same batches on every machine, so
-    every rank of a model-parallel run, and the one-process run it is compared with, see the same global batch."""
-    ids = data.ids if isinstance(data, CharCorpus) else data
-    if len(ids) <= context:
-        raise ConfigError(f"context {context} needs a text longer than {context} characters, got {len(ids)}")
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        starts = torch.randint(0, len(ids) - context, (batch_size,), generator=g)
-        window = torch.stack([ids[s:s + context + 1] for s in starts.tolist()])
-        yield window[:, :-1].contiguous(), window[:, 1:].contiguous()
-
-
-def save_run(out: str, state: dict, metrics: dict) -> None:
-    """Rank 0's record of a run: the whole model's weights (out/model.pt) and the metrics (out/metrics.json)."""
-    import json
-    import os
-    os.makedirs(out, exist_ok=True)
-    torch.save(state, os.path.join(out, "model.pt"))
-    with open(os.path.join(out, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=1)
 
 
 def parameter_bytes(model: nn.Module) -> int:

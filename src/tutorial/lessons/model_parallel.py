@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from .. import train_2d, train_gpt, train_pp, train_tp
-from ..core.gpt import GPT, CharCorpus, ParallelConfig, batches, loss_fn, parameter_bytes
+from ..core.corpus import CharCorpus, batches
+from ..core.gpt import GPT, loss_fn, parameter_bytes
+from ..core.parallel_config import ParallelConfig
 from .ranks import describe, first_error, on_every_rank
 
 TRAINERS = {"tp": train_tp, "pp": train_pp, "2d": train_2d}
