@@ -194,8 +194,8 @@ def diagnose(stacks_page: str, events_page: str) -> list[str]:
     elif len(seqs) == 1 and len(ops) > 1:
         seq = seqs.pop()
         calls = ", ".join(f"{c['op']} on rank {r}" for r, c in sorted(waiting.items()))
-        lines.append(f"so: collective #{seq} differs between the ranks ({calls}): before it, a rank skipped a "
-                     "collective the other called, and every later one pairs with the wrong partner")
+        lines.append(f"so: collective #{seq} differs between the ranks ({calls}): one rank called a collective "
+                     "the others skipped, and from there on the ranks pair the wrong calls")
     elif len(seqs) > 1:
         lines.append("so: the ranks wait at different sequence numbers: the one furthest behind skipped a collective")
     else:
