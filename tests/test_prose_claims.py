@@ -11,9 +11,9 @@
   is a verb of running ("takes", "run in", ...) followed by a duration, in a sentence that names a CPU or a GPU (the
   one nearest the duration is the claim's device). A claim about the whole run (in the first cell's **Time:**
   sentence, or a sentence about "the cells" or "the notebook") must give numbers (`3-5 min`, `about 30 s`, `two
-  minutes`) within a factor 1.5 of the plan's figure for that device: words without a number ("takes seconds", "a
+  minutes`) within a factor 2 of the plan's figure for that device: words without a number ("takes seconds", "a
   few minutes") fail, since nothing can check them, and that is how items 1 and 4 went stale. A claim about a part (a
-  launch, an epoch, a compile) may stay in words; given in numbers, it may not exceed 1.5 times the whole run. A
+  launch, an epoch, a compile) may stay in words; given in numbers, it may not exceed twice the whole run. A
   sentence naming no device is not a run-time claim here (the teaching minutes are checked by
   `test_course_plan.py`, cells' run times by `test_quoted_numbers.py`).
 
@@ -83,7 +83,7 @@ def where_in(where: str, text: str, at: int) -> str:
 
 ID = r"\d\d[ab]?"
 NAMED = re.compile(rf"(?i)\bnotebooks?\s+((?:{ID}(?:\s*,\s*|\s+and\s+|\s+or\s+|\s*[-\u2013]\s*))*{ID})(?![\w.])")
-STEM = re.compile(r"(?<![\w/.-])(\d\d[ab]?_[a-z0-9_]+)(?![\w-])")
+STEM = re.compile(r"(?<![\w/.-])(\d\d[ab]?_[a-z][a-z0-9_]*)(?![\w-])")  # not a literal: 10_000
 FENCE = re.compile(r"```.*?```", re.DOTALL)
 
 
@@ -126,7 +126,7 @@ VERB = re.compile(r"(?i)\b(?:takes?|took|taking|runs?|ran|running|lasts?|finish(
                   r"there|then|for|~))*\s+")
 DEVICE = re.compile(r"(?i)\b(?:(?P<gpu>GPUs?|A100|H100|V100)|(?P<cpu>CPUs?|laptop))\b")
 WHOLE = re.compile(r"(?i)\*\*(?:estimated\s+)?time:?\*\*|\bcells\b|\bevery cell\b|\bthe notebook\b")
-SLACK = 1.5  # the plan's CPU times come from loaded machines and its GPU times are estimates
+SLACK = 2.0  # the plan's CPU times are recorded on a shared machine (2-4x a quiet one's), its GPU times estimated
 SENTENCE = re.compile(r"(?<=[.;!?])\s+(?=[A-Z*(`])|\n\s*\n|\n\s*[-*]\s")
 
 
@@ -271,7 +271,7 @@ def test_references_are_read(tmp_path, monkeypatch):
         (tmp_path / "notebooks" / f"{stem}.ipynb").write_text(json.dumps({"cells": []}))
     (tmp_path / "README.md").write_text(
         "Notebooks 03a, 03b and 05 run DDP; notebook 03 did (stale). The capstone of `03b_ddp_trainer` and "
-        "`03_ddp` (stale); 07 minutes; see notebooks 03a-05.\n```\nnotebook 04 in a code block\n```\n")
+        "`03_ddp` (stale); 07 minutes, `10_000` steps; see notebooks 03a-05.\n```\nnotebook 04 in a code block\n```\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     problems = reference_problems(Files())
     assert len(problems) == 2, problems

@@ -12,6 +12,8 @@ What counts as a measured-looking number (the rest is left alone, so authors nee
   settings unless written with a decimal, and bare integers (`2 ranks`, `8 GPUs`, `seed 004`, `45 batches`) are
   counts.
 Skipped text: code spans and blocks, links' targets, LaTeX, HTML comments, cell references (`[24]`, `md[41]`).
+Claims in words (a notebook that does not exist, how long a notebook runs on a CPU or a GPU) are checked by
+`test_prose_claims.py`; minutes of teaching and prerequisites by `test_course_plan.py`.
 
 A quoted number matches a number the notebook shows: in its code cells' stored outputs (stream and text, ignored
 outputs included), in its code (a setting the prose restates, `bucket_cap_mb=0.1`), or a code cell's recorded run
