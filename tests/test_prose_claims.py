@@ -1,4 +1,4 @@
-"""Two kinds of claims in words that drifted from the files they describe (review 4, section 3):
+"""Three kinds of claims in words that drifted from the files they describe (review 4, section 3):
 
 - **Notebooks named that do not exist.** When 03 was split into 03a and 03b, prose kept saying "notebook 03" and
   "Notebooks 00, 03 and 05" (item 13). Every notebook number after "notebook(s)" in the notebooks' prose, the
@@ -17,7 +17,11 @@
   sentence naming no device is not a run-time claim here (the teaching minutes are checked by
   `test_course_plan.py`, cells' run times by `test_quoted_numbers.py`).
 
-Both read files only. `test_the_checks_find_what_review_4_found` runs them on 984c965 (the commit review 4 read).
+- **How many mistakes an exercise has.** Notes 08 said exercise 2 has "Two mistakes ... The checker lists both"
+  after the exercise had grown a third (item 19). Where an exercise's cells and its notes section both say how many
+  mistakes, bugs or errors it holds ("three mistakes", "two bugs"), the numbers agree.
+
+All read files only. `test_the_checks_find_what_review_4_found` runs them on 984c965 (the commit review 4 read).
 """
 from __future__ import annotations
 
@@ -232,7 +236,48 @@ def fmt(span: tuple[float, float] | None) -> str:
     return f"{low:g}-{high:g} s" if low != high else f"{high:g} s"
 
 
-CHECKS = [reference_problems, runtime_problems]
+# ---- an exercise's mistakes counted twice ----
+
+COUNTED = re.compile(r"(?i)\b(one|two|three|four|five|six|\d)\s+(?:[\w-]+\s+)?(?:mistakes|bugs|errors|faults)\b")
+
+
+def counts(text: str) -> set[int]:
+    return {int(number(m.group(1))) for m in COUNTED.finditer(text)}
+
+
+def exercise_texts(cells: list[dict]) -> dict[int, str]:
+    """{k: the markdown of exercise k}: from its '### Exercise k' heading to the next heading that is not inside it."""
+    found, current = {}, None
+    for cell in cells:
+        if cell["cell_type"] != "markdown":
+            continue
+        text = "".join(cell["source"])
+        heading = re.match(r"#+\s+Exercise\s+(\d+)", text)
+        if heading:
+            current = int(heading.group(1))
+        elif re.match(r"#{1,3}\s", text):
+            current = None
+        if current is not None:
+            found[current] = found.get(current, "") + text + "\n"
+    return found
+
+
+def exercise_problems(files: Files) -> list[str]:
+    problems = []
+    for stem in files.listing("notebooks", ".ipynb"):
+        notes = files.read(f"slides/notes/{stem}.md") or ""
+        in_notes = {int(m.group(1)): m.group(2) for m in
+                    re.finditer(r"^## Exercise (\d+)\b(.*?)(?=^## |\Z)", notes, re.M | re.S)}
+        cells = exercise_texts(json.loads(files.read(f"notebooks/{stem}.ipynb"))["cells"])
+        for k in sorted(set(cells) & set(in_notes)):
+            said, noted = counts(cells[k]), counts(in_notes[k])
+            if said and noted and said != noted:
+                problems.append(f"{stem}: exercise {k} has {' or '.join(map(str, sorted(said)))} mistakes by its "
+                                f"cells, {' or '.join(map(str, sorted(noted)))} by its notes")
+    return problems
+
+
+CHECKS = [reference_problems, runtime_problems, exercise_problems]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
@@ -276,6 +321,16 @@ def test_references_are_read(tmp_path, monkeypatch):
     problems = reference_problems(Files())
     assert len(problems) == 2, problems
     assert "'notebook 03' names notebook 03" in problems[0] and "'03_ddp' is not a notebook" in problems[1]
+
+
+def test_exercise_counts_are_read():
+    cells = [{"cell_type": "markdown", "source": ["### Exercise 2: a stopper\nIt has three mistakes: two in the settings"]},
+             {"cell_type": "code", "source": ["x = 1"]},
+             {"cell_type": "markdown", "source": ["<details>solution: the two bugs ...</details>"]},
+             {"cell_type": "markdown", "source": ["## Summary\nfour errors elsewhere"]}]
+    texts_ = exercise_texts(cells)
+    assert list(texts_) == [2] and counts(texts_[2]) == {3, 2}   # "two in the settings" is no count of mistakes
+    assert counts("Two mistakes; the checker lists both") == {2} and counts("a mistake, 10 epochs") == set()
 
 
 def test_plan_spans():
@@ -328,6 +383,7 @@ def test_review_4_items_caught_on_984c965():
     minutes = "\n".join(plan.minutes_problems(plan.Files(REVIEWED)))
     needs = "\n".join(plan.needs_problems(plan.Files(REVIEWED, worktree=("slides/course_plan.md",))))
     references, runtimes = "\n".join(reference_problems(old)), "\n".join(runtime_problems(old))
+    exercises = exercise_problems(old)
     found = {
         1: "01_single_device md[0] line 15: says how long the notebook runs on a GPU without" in runtimes,
         4: "04_mixed_precision md[0] line 15: says how long the notebook runs on a CPU without" in runtimes,
@@ -338,6 +394,7 @@ def test_review_4_items_caught_on_984c965():
         16: "06_multi_node (core day): needs ['05'], which the plan puts after it" in needs,
         17: "08_lightning: the first cell says 40 min, the notes 30" in minutes,
         18: "'0.1577'" in numbers("08_lightning"),
+        19: exercises == ["08_lightning: exercise 2 has 3 mistakes by its cells, 2 by its notes"],
         21: "'0.1951'" in numbers("10_when_things_go_wrong"),
         23: "10_when_things_go_wrong: notes sections without" in minutes,
         24: "07_scaling_study: the notes' sections add up to" in minutes,
