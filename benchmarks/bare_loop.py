@@ -349,12 +349,12 @@ def _count(job_file: str) -> None:
     """In every process, under callgrind: each side runs warmup + n and warmup + 2n steps, and torch's valgrind hooks
     turn counting on for exactly each run and write a dump after it (dumps 1, 2: bare loop; 3, 4: trainer)."""
     from tutorial import bench
-    from tutorial.bench import measure
+    from tutorial.bench import runs
     from tutorial.core.config import TrainConfig
     with open(job_file) as f:
         job = json.load(f)
     stage, cfg, n = job["stage"], TrainConfig(**job["cfg"]), job["steps"]
-    measure.share_cores(job["nproc"], job["threads"])
+    runs.share_cores(job["nproc"], job["threads"])
     if stage == "ddp":  # one process group for both sides, as in _pairs
         import torch.distributed as dist
         dist.init_process_group("gloo")

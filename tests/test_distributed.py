@@ -51,7 +51,7 @@ def test_allreduce_check_sums_ranks_over_two_processes(tmp_path):
     from conftest import PYTHON, run
     script = tmp_path / "check.py"
     # Each rank writes its own file: two ranks printing to one pipe can interleave their lines.
-    script.write_text("import json, os\nfrom tutorial.core.distributed import allreduce_check\n"
+    script.write_text("import json, os\nfrom tutorial.bench.collectives import allreduce_check\n"
                       "result = allreduce_check(megabytes=1, repeats=2)\n"
                       f"open(os.path.join({str(tmp_path)!r}, 'rank%d.json' % result['rank']), 'w')"
                       ".write(json.dumps(result))\n")

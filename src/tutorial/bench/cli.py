@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..core.config import DATASETS, MODELS, PRECISIONS, PRESETS, ConfigError
-from .measure import BenchError, RunFailed, available_processes
+from .runs import BenchError, RunFailed, available_processes
 from .studies import allreduce, scaling, train
 
 STRATEGIES = ("single", "dp", "ddp", "horovod")

@@ -1,5 +1,6 @@
 """The record of a measurement: one JSON line per result in results/<kind>.jsonl with the hardware, the versions, the
-exact command, the load average and the date, so a number in a notebook or a slide can always be traced back."""
+exact command, the load average and the date, so a number in a notebook or a slide can always be traced back; and
+the aligned table `tutorial bench` and the notebooks print their measurements as."""
 from __future__ import annotations
 
 import contextlib
@@ -78,3 +79,22 @@ def read_results(path, kind: str | None = None) -> list[dict]:
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     lines = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
     return [line for line in lines if kind is None or line["kind"] == kind]
+
+
+def print_table(rows: list[dict], floatfmt: str = ".3g") -> None:
+    """Rows of dicts as an aligned text table (the notebooks' and `tutorial bench`'s tables of measurements)."""
+    if not rows:
+        print("(no rows)")
+        return
+    keys = list(rows[0])
+
+    def fmt(v):
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return str(v)
+
+    cells = [[fmt(r.get(k, "")) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))

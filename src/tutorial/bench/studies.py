@@ -14,11 +14,10 @@ import torch
 
 from ..core.config import TrainConfig
 from ..core.data import SHAPES
-from ..core.distributed import allreduce_check, bus_bandwidth, init_process_group, pick_device, teardown, \
-    world_from_env
-from ..core.tracking import print_table
-from .measure import BenchError, available_processes, launch, launch_horovod, measure_run
-from .record import append_result, summary
+from ..core.distributed import init_process_group, pick_device, teardown, world_from_env
+from .collectives import allreduce_check, bus_bandwidth
+from .record import append_result, print_table, summary
+from .runs import BenchError, available_processes, launch, launch_horovod, measure_run
 
 
 # ------------------------------------------------------------------------------------------------------- train

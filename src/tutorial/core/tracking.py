@@ -38,25 +38,6 @@ def _progress_wanted(cfg: TrainConfig) -> bool:
     return sys.stderr.isatty() and not os.environ.get("CI")
 
 
-def print_table(rows: list[dict], floatfmt: str = ".3g") -> None:
-    """Rows of dicts as an aligned text table (the notebooks' and `tutorial bench`'s tables of measurements)."""
-    if not rows:
-        print("(no rows)")
-        return
-    keys = list(rows[0])
-
-    def fmt(v):
-        if isinstance(v, float):
-            return format(v, floatfmt)
-        return str(v)
-
-    cells = [[fmt(r.get(k, "")) for k in keys] for r in rows]
-    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
-    for c in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
-
-
 NO_RANK = 2**24  # "no rank": above any rank, exact in a float32 all-reduce
 
 

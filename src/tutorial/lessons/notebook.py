@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.config import STAGES, ConfigError, TrainConfig, default_preset, parse_args
-from ..core.tracking import print_table  # noqa: F401 - the notebooks' tables: notebook.print_table
+from ..bench.record import print_table  # noqa: F401 - the notebooks' tables: notebook.print_table
 
 # The accuracy each preset reaches when training works; notebooks compare against these, not exact numbers.
 EXPECTED_ACCURACY = {"smoke": 0.95, "workshop": 0.85, "workshop-cpu": 0.0, "benchmark": 0.0}
