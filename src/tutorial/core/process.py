@@ -55,6 +55,9 @@ class Sigterm:
     only sets `received`: the loop stops after a whole step and the trainer saves (checkpoint.stop_requested)."""
     armed = False
     received = False
+    # (step, whether any rank got SIGTERM) as the ranks agreed at that step: RunLog.step's all-reduce carries this
+    # flag beside its diverged-loss flag, so checkpoint.stop_requested needs no collective of its own (one per step)
+    agreed: tuple[int, bool] | None = None
 
     @classmethod
     def check(cls) -> bool:

@@ -16,6 +16,7 @@ import torch
 
 from .config import ConfigError, TrainConfig
 from .distributed import current_rank, max_over_ranks
+from .process import Sigterm
 
 
 def prepare_output(cfg: TrainConfig) -> None:
@@ -96,7 +97,10 @@ class RunLog:
         value = loss.item()
         # fp16 is exempt: GradScaler skips the steps whose gradients overflow, and the run recovers by itself.
         bad = not math.isfinite(value) and self.cfg.precision != "fp16"
-        first_bad = -max_over_ranks([-current_rank() if bad else -NO_RANK])[0]  # the lowest rank that saw it
+        # One all-reduce for both things the ranks must agree on at this step: the lowest rank whose loss is not
+        # finite, and whether any rank got SIGTERM (checkpoint.stop_requested reads it next, as Sigterm.agreed).
+        lowest_bad, sigterm = max_over_ranks([-current_rank() if bad else -NO_RANK, Sigterm.check()])
+        Sigterm.agreed, first_bad = (step, bool(sigterm)), -lowest_bad
         if first_bad != NO_RANK:
             seen = value if bad and first_bad == current_rank() else "not finite"
             raise DivergedError(f"rank {int(first_bad)}: the training loss is {seen} at step {step} (lr {lr:.3g}; "
