@@ -19,6 +19,10 @@ import os
 
 import torch
 import torch.distributed as dist  # DDP
+# DDP: imported before init_process_group on purpose. DDP imports it (via torch._dynamo); imported later, its default
+# arguments group=WORLD hold the process group past destroy_process_group: gloo's threads then outlive the script
+# and can abort it at exit ("terminate called without an active exception"). See results/ddp_standalone_exit.md.
+import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
@@ -46,30 +50,12 @@ def accuracy(model, dataset, device):
     return (model(X.to(device)).argmax(1) == y.to(device)).float().mean().item()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=32)  # DDP: per process
-    parser.add_argument("--lr", type=float, default=0.05)  # DDP: for one process; scaled by the world size below
-    parser.add_argument("--out", default="runs/ddp_standalone")
-    args = parser.parse_args()
-
-    # DDP: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every process it starts.
-    # One process per GPU, each on its own (LOCAL_RANK numbers the processes of this node); NCCL on GPUs, gloo on CPUs.
-    # Where the launcher binds one GPU per task (Slurm --gpus-per-task=1), every process sees only its own: cuda:0.
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+def train(args, device):
     rank, world_size = dist.get_rank(), dist.get_world_size()
-
     torch.manual_seed(0)
     train_set, test_set = datasets()
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
-    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)  # DDP: rank 0's weights everywhere
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # DDP: rank 0's weights everywhere
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * world_size, momentum=0.9)  # DDP: linear scaling
     sampler = DistributedSampler(train_set, shuffle=True, seed=0)  # DDP: this rank's 1/world_size of the data
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)  # DDP: sampler, not shuffle
@@ -77,14 +63,17 @@ def main():
     seen = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP: a new shuffle every epoch
-        sums = torch.zeros(2, device=device)  # DDP: loss sum and count, to be summed over the ranks
+        # DDP: loss sum and sample count, kept on the device (no .item(), so no GPU sync per step) and summed over
+        # the ranks once per epoch
+        sums = torch.zeros(2, device=device)
         for X, y in loader:
             X, y = X.to(device), y.to(device)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(X), y)
             loss.backward()  # DDP: the gradients are averaged over the ranks here
             optimizer.step()
-            sums += torch.tensor([loss.item() * len(y), len(y)], device=device)
+            sums[0] += loss.detach() * len(y)
+            sums[1] += len(y)
         seen += int(sums[1])
         dist.all_reduce(sums)  # DDP: the mean over every rank's samples
         if rank == 0:  # DDP: one copy of every line
@@ -103,7 +92,33 @@ def main():
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f, indent=1)
     dist.barrier()  # DDP: outside the if, so every rank waits here until rank 0 has written the files
-    dist.destroy_process_group()  # DDP
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32)  # DDP: per process
+    parser.add_argument("--lr", type=float, default=0.05)  # DDP: for one process; scaled by the world size in train
+    parser.add_argument("--out", default="runs/ddp_standalone")
+    args = parser.parse_args()
+
+    # DDP: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every process it starts.
+    # One process per GPU, each on its own (LOCAL_RANK numbers the processes of this node); gloo on CPUs.
+    # Where the launcher binds one GPU per task (Slurm --gpus-per-task=1), every process sees only its own: cuda:0.
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    # DDP: torch's default backend for the device (gloo for CPUs, NCCL for GPUs); device_id binds the group to this
+    # process's GPU, so NCCL connects now and every collective knows its device.
+    dist.init_process_group(dist.get_default_backend_for_device(device),
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        train(args, device)  # DDP: its model, the last holder of the process group, is freed when it returns
+    finally:
+        dist.destroy_process_group()  # DDP: on every way out, failures included, so no rank exits with it up
 
 
 if __name__ == "__main__":
