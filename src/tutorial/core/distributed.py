@@ -130,7 +130,7 @@ def init_process_group(world: World, device: torch.device, timeout: float = 300.
     rendezvous(world)
     if not given:
         _chosen = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
-    store = meet(world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
+    store = rendezvous_store(world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
     if backend == "nccl":
         if device.type != "cuda":
             raise ConfigError("backend nccl needs a CUDA GPU per rank and this rank has none; use --backend gloo")
@@ -189,7 +189,7 @@ def max_over_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def meet(world: World, addr: str, port: int, timeout: float) -> dist.Store:
+def rendezvous_store(world: World, addr: str, port: int, timeout: float) -> dist.Store:
     """The rendezvous torch's env:// does, with a bounded wait that says whom it waits for.
 
     Rank 0 hosts a key-value store at addr:port (under torchrun its agent already does, so every rank is a client);

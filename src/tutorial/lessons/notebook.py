@@ -40,13 +40,14 @@ def choose_preset(**overrides) -> TrainConfig:
     return cfg
 
 
+BY_HAND = None  # allocation's trainer=None: a process group made by hand in %%px cells, not a trainer's
 # Who may share a GPU with another rank over gloo with CUDA tensors: DDP's all-reduce and broadcast, and a process
-# group made by hand in %%px cells (None). Not Horovod (its NCCL build wants a GPU per rank), FSDP or DeepSpeed
+# group made by hand. Not Horovod (its NCCL build wants a GPU per rank), FSDP or DeepSpeed
 # (reduce-scatter and all-gather of sharded tensors, NCCL's on a GPU), Lightning ("gpu" accelerator: one device per
 # process) or SyncBatchNorm (NCCL only on GPUs): their ranks move to the CPU, sized for it, where GPUs are too few.
-SHARE_A_GPU = ("ddp", None)
+GPU_SHARING_TRAINERS = ("ddp", BY_HAND)
 GPU_PRESETS = ("workshop", "benchmark")   # sized for GPUs: hours on CPU processes
-CPU_SIZES = "smoke"                       # what CPU processes train instead: the real digits, in minutes
+CPU_PRESET = "smoke"                      # what CPU processes train instead: the real digits, in minutes
 
 
 @dataclass(frozen=True, repr=False)
@@ -89,10 +90,10 @@ def sized_for_cpu(cfg: TrainConfig) -> TrainConfig:
     sees them learn in a minute or two; what the notebook changed on top of its preset (out, quiet, ...) is kept."""
     if cfg.preset_name not in GPU_PRESETS:
         return cfg  # already sized for a CPU (smoke, workshop-cpu)
-    base, cpu = TrainConfig.preset(cfg.preset_name), TrainConfig.preset(CPU_SIZES)
+    base, cpu = TrainConfig.preset(cfg.preset_name), TrainConfig.preset(CPU_PRESET)
     sizes = {f.name: getattr(cpu, f.name) for f in dataclasses.fields(cpu)
              if getattr(base, f.name) != getattr(cpu, f.name) and f.name != "preset_name"}
-    return cfg.replace(**sizes, preset_name=CPU_SIZES)
+    return cfg.replace(**sizes, preset_name=CPU_PRESET)
 
 
 # 11_model_parallelism's trainers (train_tp, train_pp, train_2d): DTensor and pipelining want a GPU per rank, so
@@ -105,7 +106,8 @@ def allocation(ranks: int, cfg: TrainConfig | None = None, trainer: str | None =
 
     - this node's visible GPUs >= ranks: one rank per GPU, NCCL, the config as it is;
     - fewer GPUs (one GPU per attendee): the ranks share them over gloo with CUDA tensors, where `trainer` can
-      (SHARE_A_GPU); where it cannot, the ranks run on the CPU with the smoke preset's sizes on the real digits;
+      (GPU_SHARING_TRAINERS); where it cannot, the ranks run on the CPU with the smoke preset's sizes on the real
+      digits;
     - no GPU: the CPU with gloo, and the preset choose_preset() picked (smoke unless $TUTORIAL_PRESET says otherwise).
 
     trainer: the stage the ranks train with (ddp, horovod, fsdp, deepspeed, lightning, tp, pp, 2d), None for a group
@@ -125,13 +127,13 @@ def allocation(ranks: int, cfg: TrainConfig | None = None, trainer: str | None =
     gpus = _visible_gpus()
     named = f"{len(gpus)} GPU(s) visible" + (f" ({','.join(gpus)})" if gpus else "")
     sync_bn = cfg.sync_bn and trainer is not None
-    who = f"train_{trainer}" + (" with SyncBatchNorm" if sync_bn and trainer in SHARE_A_GPU else "") \
+    who = f"train_{trainer}" + (" with SyncBatchNorm" if sync_bn and trainer in GPU_SHARING_TRAINERS else "") \
         if trainer else "a process group made by hand"
     if len(gpus) >= ranks:
         alloc = Allocation(ranks, "cuda", "nccl", tuple(gpus[:ranks]), cfg,
                            f"allocation: {ranks} rank(s) on GPU(s) {','.join(gpus[:ranks])}, one per GPU, NCCL "
                            f"({named}); preset {cfg.preset_name}")
-    elif gpus and trainer in SHARE_A_GPU and not sync_bn:
+    elif gpus and trainer in GPU_SHARING_TRAINERS and not sync_bn:
         shared = cfg.replace(backend="gloo") if trainer else cfg
         alloc = Allocation(ranks, "cuda", "gloo", tuple(gpus), shared,
                            f"allocation: {ranks} ranks share {named} over gloo with CUDA tensors (NCCL needs a GPU "
