@@ -1,6 +1,6 @@
 """DistributedDataParallel in one file: the script to copy into your own project.
 
-notebooks/capstone/train_plain.py (one process) turned into DDP, as notebook 03's capstone asks: every change is
+notebooks/capstone/train_plain.py (one process) turned into DDP, as notebook 03b's capstone asks: every change is
 tagged "# DDP:". It imports nothing from this repository's package (torch and scikit-learn only), trains a small MLP
 on scikit-learn's 8x8 digits in seconds, and runs unchanged on CPUs (gloo) and on GPUs (NCCL, one process per GPU):
 
@@ -10,7 +10,8 @@ on scikit-learn's 8x8 digits in seconds, and runs unchanged on CPUs (gloo) and o
 
 It writes <out>/model.pt (the unwrapped model, from rank 0) and <out>/result.json: the world size, and per rank the
 samples trained on and a checksum of the parameters (equal checksums: identical replicas). tests/test_examples.py
-runs it with 2 processes, and notebook 03's capstone checks its own answer against the same result.json.
+runs it with 2 processes, launch after launch, and notebook 03b's capstone checks its own answer against the same
+result.json.
 """
 import argparse
 import hashlib
