@@ -236,4 +236,4 @@ def test_a_sigterm_on_an_epochs_last_step_finishes_that_epoch_then_stops(monkeyp
     assert checkpoint.stop_requested(mid, i=1, batches=4, every=2) and (mid.stopping, mid.batch) == (True, 2)
     assert checkpoint.stop_requested(last, i=3, batches=4, every=2) and (last.stopping, last.batch) == (True, 0)
     assert not checkpoint.stop_requested(checkpoint.State(step=3), i=2, batches=4, every=2)  # not a checking step
-    assert "the end of epoch 0" in str(checkpoint.stopped(last, "out"))
+    assert "the end of epoch 0" in str(checkpoint.stop_exception(last, "out"))

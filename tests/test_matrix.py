@@ -295,7 +295,7 @@ from tutorial import train_ddp
 from tutorial.core.config import TrainConfig
 from tutorial.core.models import checksum
 cfg = TrainConfig.preset("workshop-cpu", workers=0, precision="fp32", channels_last=False, model="cnn_bn")
-device, amp, world, created = train_ddp.setup(cfg)
+device, precision, world, created = train_ddp.setup(cfg)
 model, optimizer, train_loader, test_loader, lr = train_ddp.build(cfg, device, world)
 image, label = train_loader.dataset[0]  # sample 0 through CIFAR-10's random crop and flip, on both ranks
 sample = hashlib.sha256(image.numpy().tobytes()).hexdigest()[:12]

@@ -1,109 +1,114 @@
 """Stage 3: DistributedDataParallel, one process per GPU (notebooks 03a_ddp_by_hand and 03b_ddp_trainer).
 
-train_single.py plus the lines tagged "# DDP:". Launch it with any of:
+train_single.py plus the blocks tagged "# DDP:". Run it with torchrun, mpirun, srun or a notebook's engines (03b):
 
     torchrun --standalone --nproc_per_node 2 -m tutorial.train_ddp --preset smoke --out runs/ddp
-    mpirun -np 2 python -m tutorial.train_ddp --preset smoke       (also mpiexec/PALS, srun)
-    tutorial.launch.engines.start(n=2).run(tutorial.train_ddp.main, cfg)  (ipyparallel engines, from a notebook)
 """
 from __future__ import annotations
 
 import time
 
 import torch
-import torch.distributed as dist  # DDP
+import torch.distributed as dist  # DDP: the collectives
 import torch.nn.functional as F
-from contextlib import nullcontext  # DDP: for no_sync() on gradient-accumulation steps
-from torch.nn.parallel import DistributedDataParallel as DDP  # DDP
-from torch.utils.data.distributed import DistributedSampler  # DDP
+from torch.nn.parallel import DistributedDataParallel as DDP  # DDP: the wrapper
+from torch.utils.data.distributed import DistributedSampler  # DDP: each rank its share of the data
 
 from .core import checkpoint, tracking
 from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader, shard  # DDP: shard
-from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # DDP
-                               replica_checksums, teardown, world_from_env)
+from .core.distributed import (init_process_group, pick_device, replica_checksums,  # DDP: the process group's helpers
+                               teardown, world_from_env)
+from .core.loop import Loop
 from .core.metrics import patience_exhausted, top5_correct
-from .core.models import build_model  # DDP: the replicas' digests come from core.distributed
-from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weight, scaled_lr, set_lr  # DDP: scaled_lr
+from .core.models import build_model
+from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weight, scaled_lr, set_lr
 from .core.precision import Precision
 from .core.process import run_main
 
 
 def setup(cfg: TrainConfig):
     """The device, the precision policy and the seed; bad options fail here, before any work."""
-    world = world_from_env()  # DDP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines
-    device = pick_device(world.local_rank, world.local_world_size)  # DDP: one GPU per process, chosen by local rank
-    amp = Precision(cfg.precision, device)
+    # DDP: who we are (rank, local rank, world size from torchrun, MPI, Slurm or the engines), one GPU per process.
+    world = world_from_env()
+    device = pick_device(world.local_rank, world.local_world_size)
+    precision = Precision(cfg.precision, device)
     cfg.check_stage("ddp", device)  # DDP: --sync-bn needs GPUs; --zero-stage, --fp16-allreduce are refused
     tracking.prepare_output(cfg)
     created = init_process_group(world, device, cfg.timeout, cfg.backend)  # DDP: nccl on GPUs, gloo on CPUs
     torch.manual_seed(cfg.seed)
-    return device, amp, world, created  # DDP: and who we are
+    return device, precision, world, created  # DDP: who we are, and whether we made the group
 
 
 def build(cfg: TrainConfig, device: torch.device, world):  # DDP: needs rank and world size
-    """Data, model and optimizer."""
+    """Data, model and optimizer: (model, optimizer, train_loader, test_loader, peak_lr)."""
     train_set, test_set, info = build_datasets(cfg)
-    # DDP: each rank reads its own 1/world_size of a shuffled order; set_epoch(epoch) reshuffles it every epoch.
-    sampler = DistributedSampler(train_set, world.world_size, world.rank, shuffle=True, seed=cfg.seed)
+    # A seeded shuffle, re-seeded every epoch: runs are reproducible and a resumed run sees the same order.
+    sampler = DistributedSampler(train_set, world.world_size, world.rank, seed=cfg.seed)  # DDP: 1/world_size each
     train_loader = make_loader(train_set, cfg, device, sampler=sampler)
     test_loader = make_loader(shard(test_set, world.rank, world.world_size), cfg, device)  # DDP: exact shards
     model = build_model(cfg.model, info).to(device)
     if cfg.sync_bn:  # DDP: BatchNorm statistics over the global batch, not each rank's slice
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # DDP
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if cfg.compile:  # DDP: compiled before wrapping: torch.compile(DDP(model)) graph-broke at DDP's own forward and
-        model = torch.compile(model)  # DDP: compiled nothing (torch 2.14, measured); DDP's hooks work as before
-    # DDP: wrapping broadcasts rank 0's weights, then all-reduces gradients in buckets during backward.
+    if cfg.compile:
+        model = torch.compile(model)
+    # DDP: wrap after compiling (torch.compile(DDP(model)) compiles nothing, torch 2.14): broadcasts rank 0's weights,
+    # all-reduces gradients in backward. A world_size times larger batch, a larger lr; each rank its own augmentation.
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    lr = scaled_lr(cfg, world.world_size)  # DDP: a world_size times larger global batch, a larger lr
+    lr = scaled_lr(cfg, world.world_size)
+    torch.manual_seed(cfg.seed + world.rank)
     optimizer = build_optimizer(model, cfg, lr)
-    torch.manual_seed(cfg.seed + world.rank)  # DDP: each rank its own random crops and flips; weights were shared
     return model, optimizer, train_loader, test_loader, lr
 
 
-def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, state, log):
+def train_one_epoch(loop: Loop, loader, epoch: int):
+    """One pass over loader: (mean training loss, samples per second, seconds)."""
+    cfg, model, precision, device, state = loop.cfg, loop.model, loop.precision, loop.device, loop.state
     model.train()
-    loss_sum, samples, start = torch.zeros((), device=device), 0, time.perf_counter()
-    for i, (X, y) in enumerate(log.bar(loader, epoch)):
+    sums, start = torch.zeros(2, device=device), time.perf_counter()  # the loss summed over samples, the samples
+    for i, (X, y) in enumerate(loop.log.bar(loader, epoch)):
         if checkpoint.trained_before(state, i):  # resumed after a SIGTERM stop: done before it
             continue
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cfg.channels_last:
             X = X.contiguous(memory_format=torch.channels_last)
         last_micro_batch = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(loader)
-        # DDP: no_sync() skips the gradient all-reduce on micro-batches that do not end with an optimizer step.
-        with amp.autocast(), (nullcontext() if last_micro_batch else model.no_sync()):
+        model.require_backward_grad_sync = last_micro_batch  # DDP: no_sync() as a flag: all-reduce before steps only
+        with precision.autocast():
             loss = F.cross_entropy(model(X), y)
-            amp.backward(loss * micro_batch_weight(loader, i, len(y), cfg.grad_accum))  # DDP: inside no_sync too
-        loss_sum += loss.detach() * len(y)
-        samples += len(y)
+        precision.backward(loss * micro_batch_weight(loader, i, len(y), cfg.grad_accum))
+        sums[0] += loss.detach() * len(y)
+        sums[1] += len(y)
         if last_micro_batch:
-            lr = lr_at(cfg, epoch + epoch_progress(loader, i, cfg.grad_accum), peak_lr)
-            set_lr(optimizer, lr)
-            amp.step(optimizer, model.parameters(), cfg.clip_grad)
-            optimizer.zero_grad()
+            lr = lr_at(cfg, epoch + epoch_progress(loader, i, cfg.grad_accum), loop.peak_lr)
+            set_lr(loop.optimizer, lr)
+            precision.step(loop.optimizer, model.parameters(), cfg.clip_grad)
+            loop.optimizer.zero_grad()
             state.step += 1
-            log.step(state.step, loss, lr, amp.loss_scale)
+            loop.log.step(state.step, loss, lr, precision.loss_scale)
             if checkpoint.stop_requested(state, i, len(loader), cfg.log_every):  # SIGTERM on any rank
                 break
             if cfg.max_steps and state.step >= cfg.max_steps:
                 break
     seconds = time.perf_counter() - start
-    return loss_sum.item() / samples, samples / seconds, seconds
+    dist.all_reduce(sums)  # DDP: over all ranks: their mean loss, and the job's samples per second
+    loss_sum, samples = sums.tolist()
+    return loss_sum / samples, samples / seconds, seconds
 
 
 @torch.no_grad()
-def evaluate(cfg, model, amp, loader, device):
+def evaluate(loop: Loop, model, loader):
     """Loss, accuracy and top-5 accuracy over the whole test set."""
+    cfg, precision, device = loop.cfg, loop.precision, loop.device
     model.eval()
     sums = torch.zeros(4, device=device)  # loss sum, correct, correct in the top 5, count
     for X, y in loader:
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cfg.channels_last:
             X = X.contiguous(memory_format=torch.channels_last)
-        with amp.autocast():
+        with precision.autocast():
             logits = model(X)
         sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"), (logits.argmax(1) == y).sum(),
                              top5_correct(logits, y), torch.tensor(len(y), device=device)])
@@ -112,50 +117,51 @@ def evaluate(cfg, model, amp, loader, device):
     return loss_sum / count, correct / count, correct5 / count
 
 
-def main(cfg: TrainConfig) -> dict:
-    device, amp, world, created = setup(cfg)  # DDP: and who we are
-    try:  # DDP: leave the process group on every exit path, errors included
-        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, world)  # DDP: world
-        return train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr)  # DDP
-    finally:  # DDP
-        teardown(created)  # DDP
-
-
-def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr) -> dict:  # DDP: main's loop
-    log = tracking.RunLog(cfg, "ddp", device, world.rank, world.world_size)  # DDP: rank 0 prints and writes
-    state = checkpoint.resume(cfg, model, optimizer, amp.scaler, device)
+def fit(loop: Loop, train_loader, test_loader, world) -> dict:  # DDP: world, for rank 0's saves
+    """The epochs: train, evaluate, log, save; stop after cfg.epochs, max_steps, the target accuracy or patience."""
+    cfg, model, log, state = loop.cfg, loop.model, loop.log, loop.state
     log.metrics["epochs"] = state.history
     for epoch in range(state.epoch, cfg.epochs):
         train_loader.sampler.set_epoch(epoch)  # DDP: a new shuffle every epoch, the same on every rank
-        train_loss, samples_per_second, seconds = train_one_epoch(
-            cfg, model, optimizer, amp, train_loader, device, epoch, peak_lr, state, log)
-        if state.batch:  # a SIGTERM stopped this epoch: save where it stopped, then exit (143)
-            if world.is_main_process:  # DDP: one writer; the replicas are identical anyway
-                checkpoint.save(cfg, model, optimizer, amp.scaler, state)  # DDP
-            raise checkpoint.stopped(state, cfg.out)
-        train_loss = all_reduce_mean(train_loss, device)  # DDP: the loss over all ranks' samples
-        samples_per_second *= world.world_size  # DDP: every rank processes its own samples at the same time
-        test_loss, test_accuracy, test_top5 = evaluate(cfg, model.module, amp, test_loader, device)  # DDP: local replica
-        log.epoch(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss, test_accuracy=test_accuracy,
-                       samples_per_second=samples_per_second, epoch_seconds=seconds,
-                       lr=optimizer.param_groups[0]["lr"], skipped_steps=amp.skipped_steps), state.step)
-        log.metrics["test_top5_accuracy"] = test_top5  # seed 001: the label among the 5 highest scores
-        state.epoch = epoch + 1
+        train_loss, samples_per_second, seconds = train_one_epoch(loop, train_loader, epoch)
+        if not state.batch:  # the epoch ran to its end (a SIGTERM mid-epoch leaves state.batch > 0: no evaluation)
+            test_loss, test_accuracy, test_top5 = evaluate(loop, model.module, test_loader)  # DDP: local replica
+            log.epoch(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss, test_accuracy=test_accuracy,
+                           samples_per_second=samples_per_second, epoch_seconds=seconds,
+                           lr=loop.optimizer.param_groups[0]["lr"], skipped_steps=loop.precision.skipped_steps),
+                      state.step)
+            log.metrics["test_top5_accuracy"] = test_top5  # the label among the 5 highest scores
+            state.epoch = epoch + 1
         if world.is_main_process:  # DDP: one writer; the replicas are identical anyway
-            checkpoint.save(cfg, model, optimizer, amp.scaler, state)  # DDP
-        if state.stopping:  # the SIGTERM came at the epoch's last step: saved above, now exit (143)
-            raise checkpoint.stopped(state, cfg.out)
+            checkpoint.save(cfg, model, loop.optimizer, loop.precision.scaler, state)
+        if state.stopping:  # a SIGTERM, agreed on by every rank: saved above (mid-epoch or at its end), exit 143
+            raise checkpoint.stop_exception(state, cfg.out)
         if cfg.max_steps and state.step >= cfg.max_steps:
             break
         if cfg.target_accuracy and test_accuracy >= cfg.target_accuracy:
             log.print(f"target accuracy {cfg.target_accuracy} reached after epoch {epoch}")
             break
-        if patience_exhausted(cfg, log.metrics["epochs"]):  # seed 000: stop when the test loss stops improving
+        if patience_exhausted(cfg, log.metrics["epochs"]):  # stop when the test loss stops improving
             log.print(f"no lower test loss for {cfg.patience} epochs: stopped after epoch {epoch}")
             break
-    digests = replica_checksums(model)  # DDP: every rank's parameter digest, to prove the replicas agree
+    digests = replica_checksums(model)
     return log.finish(steps=state.step, replica_checksums=digests, replicas_identical=len(set(digests)) == 1)
 
 
+def main(cfg: TrainConfig, build=build) -> dict:
+    """Train cfg; returns the run's metrics (also in cfg.out/metrics.json). main sets up, builds and hands the
+    loop to fit. build is a hook for lessons: a function with build's arguments and results (usually build itself,
+    then a change to the model it returned), so a lesson trains a model it changed exactly as this trainer trains."""
+    device, precision, world, created = setup(cfg)  # DDP: who we are, and whether we made the group
+    try:  # DDP: leave the process group on every exit path, errors included; rank 0 prints and writes
+        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, world)
+        log = tracking.RunLog(cfg, "ddp", device, world.rank, world.world_size)
+        state = checkpoint.resume(cfg, model, optimizer, precision.scaler, device)
+        loop = Loop(cfg, model, optimizer, precision, device, peak_lr, log, state)
+        return fit(loop, train_loader, test_loader, world)
+    finally:
+        teardown(created)
+
+
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with DistributedDataParallel, one process per GPU.", stage="ddp"))  # DDP
+    run_main(main, parse_args("Train with DDP, one process per GPU.", stage="ddp"))  # DDP: its --help and options

@@ -1,81 +1,85 @@
 """Stage 9: Fully Sharded Data Parallel, each rank holds 1/world_size of the model (notebook 09_sharded_training).
 
-train_single.py plus the lines tagged "# FSDP:" (most of them are train_ddp.py's). Launch it with any of:
+train_ddp.py plus the blocks tagged "# FSDP:". Run it with torchrun, mpirun, srun or a notebook's engines (09):
 
     torchrun --standalone --nproc_per_node 2 -m tutorial.train_fsdp --preset smoke --out runs/fsdp
-    mpirun -np 2 python -m tutorial.train_fsdp --preset smoke       (also mpiexec/PALS, srun)
-    tutorial.launch.engines.start(n=2).run(tutorial.train_fsdp.main, cfg)  (ipyparallel engines, from a notebook)
 
 DDP keeps a whole replica of parameters, gradients and optimizer state on every GPU; FSDP (torch's FSDP2,
-`fully_shard`) splits each of them into world_size shards and all-gathers a layer's parameters only while it runs.
+`fully_shard`) splits each of them into world_size shards and all-gathers a block's parameters only while it runs.
 """
 from __future__ import annotations
 
 import time
 
 import torch
+import torch.distributed as dist  # DDP: the collectives
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP
-from torch.utils.data.distributed import DistributedSampler  # FSDP
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP: the sharding and its precision
+from torch.utils.data.distributed import DistributedSampler  # DDP: each rank its share of the data
 
 from .core import checkpoint, sharded_checkpoint, tracking  # FSDP: every rank writes its shards
 from .core.config import TrainConfig, parse_args
-from .core.data import build_datasets, make_loader
-from .core.distributed import (all_reduce_mean, init_process_group, pick_device,  # FSDP
-                               replica_checksums, teardown, world_from_env)
+from .core.data import build_datasets, make_loader  # FSDP: no shard(): every rank evaluates every test batch
+from .core.distributed import (init_process_group, pick_device, replica_checksums,  # DDP: the process group's helpers
+                               teardown, world_from_env)
+from .core.loop import Loop
 from .core.metrics import patience_exhausted, top5_correct
-from .core.models import batch_norms, blocks, build_model  # FSDP: units to shard
-from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weight, scaled_lr, set_lr  # FSDP: scaled_lr
+from .core.models import batch_norms, blocks, build_model  # FSDP: the units to shard
+from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weight, scaled_lr, set_lr
 from .core.precision import Precision
 from .core.process import run_main
 
 
 def setup(cfg: TrainConfig):
     """The device, the precision policy and the seed; bad options fail here, before any work."""
-    world = world_from_env()  # FSDP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines
-    device = pick_device(world.local_rank, world.local_world_size)  # FSDP: one GPU per process, by local rank
-    amp = Precision(cfg.precision, device)
+    # DDP: who we are (rank, local rank, world size from torchrun, MPI, Slurm or the engines), one GPU per process.
+    world = world_from_env()
+    device = pick_device(world.local_rank, world.local_world_size)
+    precision = Precision(cfg.precision, device)
     cfg.check_stage("fsdp", device)  # FSDP: --sync-bn is refused here
     tracking.prepare_output(cfg)
-    created = init_process_group(world, device, cfg.timeout, cfg.backend)  # FSDP: nccl on GPUs, gloo on CPUs
+    created = init_process_group(world, device, cfg.timeout, cfg.backend)  # DDP: nccl on GPUs, gloo on CPUs
     torch.manual_seed(cfg.seed)
-    return device, amp, world, created  # FSDP: and who we are
+    return device, precision, world, created  # DDP: who we are, and whether we made the group
 
 
-def build(cfg: TrainConfig, device: torch.device, world, amp):  # FSDP: rank, world size, precision
-    """Data, model and optimizer."""
+def build(cfg: TrainConfig, device: torch.device, world, precision):  # FSDP: and the precision, for its policy
+    """Data, model and optimizer: (model, optimizer, train_loader, test_loader, peak_lr)."""
     train_set, test_set, info = build_datasets(cfg)
-    # FSDP: each rank reads its own 1/world_size of a shuffled order; set_epoch(epoch) reshuffles it every epoch.
-    sampler = DistributedSampler(train_set, world.world_size, world.rank, shuffle=True, seed=cfg.seed)
+    # A seeded shuffle, re-seeded every epoch: runs are reproducible and a resumed run sees the same order.
+    sampler = DistributedSampler(train_set, world.world_size, world.rank, seed=cfg.seed)  # DDP: 1/world_size each
     train_loader = make_loader(train_set, cfg, device, sampler=sampler)
     # FSDP: every rank evaluates the whole test set: each forward all-gathers, so all must run as many batches.
     test_loader = make_loader(test_set, cfg, device)
     model = build_model(cfg.model, info).to(device)
     # FSDP: --channels-last converts the inputs only: fully_shard takes contiguous parameters only, and an NHWC input
-    # makes the convolutions run in NHWC anyway.
-    # FSDP: mixed precision is FSDP's own policy, not autocast: parameters gathered in bf16/fp16 (half the bytes) and
-    # FSDP: computed in it, gradients reduced and the sharded weights stepped in fp32, the logits returned in fp32.
-    policy = MixedPrecisionPolicy(param_dtype=amp.dtype, reduce_dtype=torch.float32)
-    # FSDP: BatchNorm layers are units of their own that compute in fp32 (FSDP1's default): their running statistics
-    # FSDP: are fp32, and a CPU kernel refuses bf16 weights beside them; they hand bf16 on to the next layer.
-    for norm in batch_norms(model) if amp.dtype else []:
-        fully_shard(norm, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=amp.dtype))
-    for block in blocks(model):  # FSDP: one unit per residual block, each gathered only while it runs
-        if cfg.compile:  # FSDP: each block's forward compiled, FSDP's gathers around it left eager (torchtitan
-            block.forward = torch.compile(block.forward)  # FSDP: too); a whole compiled model graph-breaks at them
+    # makes the convolutions run in NHWC anyway. Mixed precision is FSDP's own policy, not autocast: parameters
+    # gathered in bf16/fp16 (half the bytes) and computed in it, gradients reduced and the shards stepped in fp32.
+    # BatchNorm layers compute in fp32 (their running statistics are fp32, and a CPU kernel refuses bf16 weights
+    # beside them): one fp32 unit for each block's norms and one for the rest, not one unit per layer (each unit is
+    # an all-gather and a reduce-scatter per step). Then one unit per block, and the root (stem, head) last.
+    policy = MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=torch.float32)
+    groups = [batch_norms(block) for block in blocks(model)]
+    groups.append([norm for norm in batch_norms(model) if not any(norm in group for group in groups)])
+    for norms in [group for group in groups if group] if precision.dtype else []:
+        fully_shard(norms, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=precision.dtype))
+    for block in blocks(model):
+        if cfg.compile:  # FSDP: each block's forward compiled, FSDP's gathers around it left eager (torchtitan too)
+            block.forward = torch.compile(block.forward)
         fully_shard(block, mp_policy=policy)  # FSDP: its parameters become DTensors, 1/world_size per rank
-    # FSDP: the root holds the rest (stem, head), starts the first gather and returns fp32 logits
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(amp.dtype, torch.float32, output_dtype=torch.float32))
-    lr = scaled_lr(cfg, world.world_size)  # FSDP: a world_size times larger global batch, a larger lr
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(precision.dtype, torch.float32, output_dtype=torch.float32))
+    lr = scaled_lr(cfg, world.world_size)
+    torch.manual_seed(cfg.seed + world.rank)
     optimizer = build_optimizer(model, cfg, lr)  # FSDP: after sharding, so its state is sharded too
-    torch.manual_seed(cfg.seed + world.rank)  # FSDP: each rank its own random crops and flips; weights were shared
     return model, optimizer, train_loader, test_loader, lr
 
 
-def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, state, log):
+def train_one_epoch(loop: Loop, loader, epoch: int):
+    """One pass over loader: (mean training loss, samples per second, seconds)."""
+    cfg, model, precision, device, state = loop.cfg, loop.model, loop.precision, loop.device, loop.state
     model.train()
-    loss_sum, samples, start = torch.zeros((), device=device), 0, time.perf_counter()
-    for i, (X, y) in enumerate(log.bar(loader, epoch)):
+    sums, start = torch.zeros(2, device=device), time.perf_counter()  # the loss summed over samples, the samples
+    for i, (X, y) in enumerate(loop.log.bar(loader, epoch)):
         if checkpoint.trained_before(state, i):  # resumed after a SIGTERM stop: done before it
             continue
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -83,28 +87,31 @@ def train_one_epoch(cfg, model, optimizer, amp, loader, device, epoch, peak_lr, 
             X = X.contiguous(memory_format=torch.channels_last)
         last_micro_batch = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(loader)
         model.set_requires_gradient_sync(last_micro_batch)  # FSDP: reduce-scatter only before an optimizer step
-        loss = F.cross_entropy(model(X), y)  # FSDP: no autocast, the policy above sets the precision
-        amp.backward(loss * micro_batch_weight(loader, i, len(y), cfg.grad_accum))
-        loss_sum += loss.detach() * len(y)
-        samples += len(y)
+        loss = F.cross_entropy(model(X), y)  # FSDP: no autocast, the policy sets the precision
+        precision.backward(loss * micro_batch_weight(loader, i, len(y), cfg.grad_accum))
+        sums[0] += loss.detach() * len(y)
+        sums[1] += len(y)
         if last_micro_batch:
-            lr = lr_at(cfg, epoch + epoch_progress(loader, i, cfg.grad_accum), peak_lr)
-            set_lr(optimizer, lr)
-            amp.step(optimizer, model.parameters(), cfg.clip_grad)  # FSDP: each rank updates its own shard
-            optimizer.zero_grad()
+            lr = lr_at(cfg, epoch + epoch_progress(loader, i, cfg.grad_accum), loop.peak_lr)
+            set_lr(loop.optimizer, lr)
+            precision.step(loop.optimizer, model.parameters(), cfg.clip_grad)  # FSDP: each rank steps its shard
+            loop.optimizer.zero_grad()
             state.step += 1
-            log.step(state.step, loss, lr, amp.loss_scale)
+            loop.log.step(state.step, loss, lr, precision.loss_scale)
             if checkpoint.stop_requested(state, i, len(loader), cfg.log_every):  # SIGTERM on any rank
                 break
             if cfg.max_steps and state.step >= cfg.max_steps:
                 break
     seconds = time.perf_counter() - start
-    return loss_sum.item() / samples, samples / seconds, seconds
+    dist.all_reduce(sums)  # DDP: over all ranks: their mean loss, and the job's samples per second
+    loss_sum, samples = sums.tolist()
+    return loss_sum / samples, samples / seconds, seconds
 
 
 @torch.no_grad()
-def evaluate(cfg, model, amp, loader, device):
+def evaluate(loop: Loop, model, loader):
     """Loss, accuracy and top-5 accuracy over the whole test set."""
+    cfg, precision, device = loop.cfg, loop.precision, loop.device
     model.eval()
     sums = torch.zeros(4, device=device)  # loss sum, correct, correct in the top 5, count
     for X, y in loader:
@@ -114,52 +121,55 @@ def evaluate(cfg, model, amp, loader, device):
         logits = model(X)  # FSDP: no autocast, the policy sets the precision
         sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"), (logits.argmax(1) == y).sum(),
                              top5_correct(logits, y), torch.tensor(len(y), device=device)])
+    # FSDP: no all-reduce: every rank evaluated the whole test set
     loss_sum, correct, correct5, count = sums.tolist()
     return loss_sum / count, correct / count, correct5 / count
 
 
-def main(cfg: TrainConfig) -> dict:
-    device, amp, world, created = setup(cfg)  # FSDP: and who we are
-    try:  # FSDP: leave the process group on every exit path, errors included
-        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, world, amp)  # FSDP: world, amp
-        return train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr)  # FSDP
-    finally:  # FSDP
-        teardown(created)  # FSDP
-
-
-def train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr) -> dict:  # FSDP: the loop
-    log = tracking.RunLog(cfg, "fsdp", device, world.rank, world.world_size)  # FSDP: rank 0 prints and writes
-    state = sharded_checkpoint.resume_dcp(cfg, model, optimizer)  # FSDP: each rank reads the slices it holds
+def fit(loop: Loop, train_loader, test_loader) -> dict:  # FSDP: every rank saves
+    """The epochs: train, evaluate, log, save; stop after cfg.epochs, max_steps, the target accuracy or patience."""
+    cfg, model, log, state = loop.cfg, loop.model, loop.log, loop.state
     log.metrics["epochs"] = state.history
     for epoch in range(state.epoch, cfg.epochs):
-        train_loader.sampler.set_epoch(epoch)  # FSDP: a new shuffle every epoch, the same on every rank
-        train_loss, samples_per_second, seconds = train_one_epoch(
-            cfg, model, optimizer, amp, train_loader, device, epoch, peak_lr, state, log)
-        if state.batch:  # a SIGTERM stopped this epoch: save where it stopped, then exit (143)
-            sharded_checkpoint.save_dcp(cfg, model, optimizer, state)  # FSDP: every rank writes its own shards
-            raise checkpoint.stopped(state, cfg.out)
-        train_loss = all_reduce_mean(train_loss, device)  # FSDP: the loss over all ranks' samples
-        samples_per_second *= world.world_size  # FSDP: every rank processes its own samples at the same time
-        test_loss, test_accuracy, test_top5 = evaluate(cfg, model, amp, test_loader, device)
-        log.epoch(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss, test_accuracy=test_accuracy,
-                       samples_per_second=samples_per_second, epoch_seconds=seconds,
-                       lr=optimizer.param_groups[0]["lr"], skipped_steps=amp.skipped_steps), state.step)
-        log.metrics["test_top5_accuracy"] = test_top5  # seed 001: the label among the 5 highest scores
-        state.epoch = epoch + 1
-        sharded_checkpoint.save_dcp(cfg, model, optimizer, state)  # FSDP: every rank writes its own shards
-        if state.stopping:  # the SIGTERM came at the epoch's last step: saved above, now exit (143)
-            raise checkpoint.stopped(state, cfg.out)
+        train_loader.sampler.set_epoch(epoch)  # DDP: a new shuffle every epoch, the same on every rank
+        train_loss, samples_per_second, seconds = train_one_epoch(loop, train_loader, epoch)
+        if not state.batch:  # the epoch ran to its end (a SIGTERM mid-epoch leaves state.batch > 0: no evaluation)
+            test_loss, test_accuracy, test_top5 = evaluate(loop, model, test_loader)  # FSDP: the sharded model
+            log.epoch(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss, test_accuracy=test_accuracy,
+                           samples_per_second=samples_per_second, epoch_seconds=seconds,
+                           lr=loop.optimizer.param_groups[0]["lr"], skipped_steps=loop.precision.skipped_steps),
+                      state.step)
+            log.metrics["test_top5_accuracy"] = test_top5  # the label among the 5 highest scores
+            state.epoch = epoch + 1
+        sharded_checkpoint.save_dcp(cfg, model, loop.optimizer, state)  # FSDP: every rank writes its own shards
+        if state.stopping:  # a SIGTERM, agreed on by every rank: saved above (mid-epoch or at its end), exit 143
+            raise checkpoint.stop_exception(state, cfg.out)
         if cfg.max_steps and state.step >= cfg.max_steps:
             break
         if cfg.target_accuracy and test_accuracy >= cfg.target_accuracy:
             log.print(f"target accuracy {cfg.target_accuracy} reached after epoch {epoch}")
             break
-        if patience_exhausted(cfg, log.metrics["epochs"]):  # seed 000: stop when the test loss stops improving
+        if patience_exhausted(cfg, log.metrics["epochs"]):  # stop when the test loss stops improving
             log.print(f"no lower test loss for {cfg.patience} epochs: stopped after epoch {epoch}")
             break
-    digests = replica_checksums(model)  # FSDP: the gathered parameters' digest on every rank
+    digests = replica_checksums(model)
     return log.finish(steps=state.step, replica_checksums=digests, replicas_identical=len(set(digests)) == 1)
 
 
+def main(cfg: TrainConfig, build=build) -> dict:
+    """Train cfg; returns the run's metrics (also in cfg.out/metrics.json). main sets up, builds and hands the
+    loop to fit. build is a hook for lessons: a function with build's arguments and results (usually build itself,
+    then a change to the model it returned), so a lesson trains a model it changed exactly as this trainer trains."""
+    device, precision, world, created = setup(cfg)  # DDP: who we are, and whether we made the group
+    try:  # DDP: leave the process group on every exit path, errors included; rank 0 prints and writes
+        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, world, precision)  # FSDP: policy
+        log = tracking.RunLog(cfg, "fsdp", device, world.rank, world.world_size)  # FSDP: its name in the metrics
+        state = sharded_checkpoint.resume_dcp(cfg, model, optimizer)  # FSDP: each rank reads the slices it holds
+        loop = Loop(cfg, model, optimizer, precision, device, peak_lr, log, state)
+        return fit(loop, train_loader, test_loader)  # FSDP: no world: every rank saves
+    finally:
+        teardown(created)
+
+
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with FSDP: parameters, gradients, optimizer state sharded.", stage="fsdp"))  # FSDP
+    run_main(main, parse_args("Train with FSDP, the model sharded over the ranks.", stage="fsdp"))  # FSDP: options

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, first_line
 from .distributed import current_rank, max_over_ranks
 from .models import unwrap
 from .process import Sigterm, Stopped
@@ -31,14 +31,18 @@ def stop_requested(state: State, i: int, batches: int, every: int) -> bool:
     walltime kill). The ranks compare every `every` steps (one tiny all-reduce), so they act within that many steps
     and never stop at different steps, which would leave one waiting in a collective. Mid-epoch, state.batch says
     where to go on; at an epoch's last batch the epoch is finished and saved as usual, then the trainer stops."""
-    if state.step % every or not max_over_ranks([Sigterm.check()])[0]:
+    if state.step % every:
+        return False
+    agreed, Sigterm.agreed = Sigterm.agreed, None  # RunLog.step's all-reduce at this step carried the flag already
+    if not (agreed[1] if agreed and agreed[0] == state.step else max_over_ranks([Sigterm.check()])[0]):
         return False
     state.stopping = True
     state.batch = i + 1 if i + 1 < batches else 0
     return True
 
 
-def stopped(state: State, out: str) -> Stopped:
+def stop_exception(state: State, out: str) -> Stopped:
+    """The exception a trainer raises once a SIGTERM stop is saved: where it stopped and how to go on (exit 143)."""
     where = f"epoch {state.epoch} at batch {state.batch}" if state.batch else f"the end of epoch {state.epoch - 1}"
     return Stopped(f"SIGTERM: saved {where} (step {state.step}) in {out}; "
                    "run the same command with --resume to go on from there")
@@ -108,13 +112,13 @@ def resume(cfg: TrainConfig, model, optimizer, scaler, device: torch.device) -> 
         if missing:
             raise ValueError(f"not a training checkpoint (no {', '.join(missing)})")
     except Exception as exc:  # noqa: BLE001 - truncated, corrupt or foreign files all mean the same to the user
-        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc) or type(exc).__name__
         raise ConfigError(f"checkpoint {path!r} cannot be read: {reason}") from None
     try:
         unwrap(model).load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
     except (RuntimeError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0][:160]
+        first = first_line(exc)
         raise ConfigError(f"checkpoint {path!r} does not fit this model and optimizer "
                           f"(saved with model {ckpt.get('config', {}).get('model')!r}): {first}") from None
     if ckpt["scaler"]:  # empty when the run that saved it had no loss scaling (fp32, bf16)

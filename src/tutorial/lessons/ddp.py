@@ -19,6 +19,7 @@ from ..core.data import SHAPES, build_datasets
 from ..core.models import build_model, unwrap
 from ..core.optim import lr_at, scaled_lr
 from .ranks import first_error, first_line, on_every_rank
+from .sharded import max_difference  # noqa: F401 - notebook 03b compares two runs' weights with it
 
 
 # --------------------------------------------------------------------------------------- lr scaling and warm-up
@@ -104,18 +105,27 @@ class GlobalBatchNorm2d(torch.nn.BatchNorm2d):
 
 
 def compare_replicas(cfg: TrainConfig, global_bn: bool = False) -> list[dict]:
-    """Run on every engine: train cfg with train_ddp's own setup, build and train, then gather every rank's
-    state_dict and compare each tensor by name, as seed 004's compare_models.py compares the models each rank saved.
+    """Run on every engine: train cfg with train_ddp.main (through its build hook, which converts the BatchNorm
+    layers for global_bn), then gather every rank's state_dict and compare each tensor by name, as
+    compare_models.py compares the models each rank saved.
     global_bn: BatchNorm over the global batch with GlobalBatchNorm2d, the CPU counterpart of sync_bn=True.
     Returns one row per tensor: its name, parameter or buffer, identical on all ranks, the largest difference.
     """
-    device, amp, world, created = train_ddp.setup(cfg)
-    try:
-        model, optimizer, train_loader, test_loader, peak_lr = train_ddp.build(cfg, device, world)
+    # Join the group here, so that it outlives train_ddp.main (which leaves alone a group it did not create): the
+    # ranks compare their tensors after training.
+    _, _, world, created = train_ddp.setup(cfg)
+    built = []
+
+    def build(cfg, device, world):  # train_ddp.main's build hook: its own build, then the lesson's BatchNorm
+        model, *rest = train_ddp.build(cfg, device, world)
         if global_bn:
             GlobalBatchNorm2d.convert(model)
-        train_ddp.train(cfg, device, amp, world, model, optimizer, train_loader, test_loader, peak_lr)
-        module = unwrap(model)
+        built.append(model)
+        return (model, *rest)
+
+    try:
+        train_ddp.main(cfg, build=build)
+        module = unwrap(built[0])
         mine = {k: v.detach().cpu() for k, v in module.state_dict().items()}
         every = [None] * world.world_size
         dist.all_gather_object(every, mine)  # every rank's tensors, on every rank
@@ -146,13 +156,6 @@ def load_checkpoint(out: str):
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.load_state_dict(ckpt["model"])
     return model, ckpt
-
-
-def max_difference(out_a: str, out_b: str) -> float:
-    """The largest absolute difference between the parameters of two runs' checkpoints."""
-    a, _ = load_checkpoint(out_a)
-    b, _ = load_checkpoint(out_b)
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
 

@@ -80,13 +80,13 @@ def precision_benchmark(cfg: TrainConfig, precisions=("fp32", "bf16"), steps: in
     device = _default_device()
     rows = []
     for name in precisions:
-        amp = Precision(name, device)
+        precision = Precision(name, device)
         model, X, y = model_and_batch(cfg, device=device, real=False)
         if cfg.channels_last:
             model, X = model.to(memory_format=torch.channels_last), X.contiguous(memory_format=torch.channels_last)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        row = {"precision": name, "samples/s": round(len(X) / step_seconds(model, X, y, amp, steps))}
+        row = {"precision": name, "samples/s": round(len(X) / step_seconds(model, X, y, precision, steps))}
         if device.type == "cuda":
             row["peak MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
         rows.append(row)
