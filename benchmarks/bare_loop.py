@@ -301,7 +301,7 @@ def record_instructions(stage, job, nproc, args, argv, cfg):
     Only the main thread is counted (callgrind switches counting on per thread): the training loop's own work, not
     gloo's background threads; torch.distributed's waits sleep, so they add (almost) nothing."""
     from tutorial import bench
-    from tutorial.launch import processes
+    from tutorial.launch import child_processes
     n = args.steps
     print(f"{stage}: instructions of {job['warmup']}+{n} and {job['warmup']}+{2 * n} steps of each, under callgrind "
           f"in {nproc} process(es) (a few hundred times slower than native: ~10 min at --steps 10)", flush=True)
@@ -314,8 +314,8 @@ def record_instructions(stage, job, nproc, args, argv, cfg):
         launcher = [] if stage == "single" else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                  "--nproc-per-node", str(nproc), "--no-python"]
         single = {"RANK": 0} if stage == "single" else {}  # the dumps are named by rank; torchrun sets it
-        processes.launch(launcher + grind, timeout=args.timeout,
-                         env=processes.launcher_env(threads=args.threads or 1, **single))
+        child_processes.launch(launcher + grind, timeout=args.timeout,
+                         env=child_processes.launcher_env(threads=args.threads or 1, **single))
         c = [_callgrind_total(tmp, dump) for dump in (1, 2, 3, 4)]
     main = dict(bare=(c[1] - c[0]) / n, trainer=(c[3] - c[2]) / n)
     if min(main.values()) <= 0:

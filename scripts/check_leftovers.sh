@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # After the tests: nothing they started may survive (engines, controllers, MPI launchers and daemons, launchers and
-# their workers). The list of program names is tutorial.launch.processes.PROCESS_NAMES, the one the tests use.
+# their workers). The list of program names is tutorial.launch.child_processes.PROCESS_NAMES, the one the tests use.
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${VENV:-.venv}
 [[ $venv = /* ]] || venv=$root/$venv
@@ -14,4 +14,4 @@ if left=$(pgrep -af '(^|/)(slurmctld|slurmd|munged)( |$)') && [[ -n $left ]]; th
   echo "error: Slurm daemons left behind (scripts/virtual_cluster.sh down stops them): $left" >&2
   exit 1
 fi
-exec "$venv/bin/python" -m tutorial.launch.processes
+exec "$venv/bin/python" -m tutorial.launch.child_processes

@@ -96,18 +96,18 @@ def skeleton(notebook: str, heading: str, name: str | None = None):
 @pytest.fixture(scope="session")
 def session_engines():
     """Two local notebook engines for the whole test session: a start costs seconds on 2 cores, and a dozen modules
-    need just 2 local engines. Their tag is outside this process's (processes.TAG), so the modules that check that
+    need just 2 local engines. Their tag is outside this process's (child_processes.TAG), so the modules that check that
     they left nothing running do not see them; this fixture checks them when the session ends."""
-    from tutorial.launch import engines, processes
+    from tutorial.launch import child_processes, engines
     tag = f"tests-engines-{os.getpid()}-{os.urandom(4).hex()}"
-    own_tag, processes.new_tag = processes.new_tag, lambda: tag
+    own_tag, child_processes.new_tag = child_processes.new_tag, lambda: tag
     try:
         c = engines.start(n=2, show=False, name="tests")
     finally:
-        processes.new_tag = own_tag
+        child_processes.new_tag = own_tag
     yield c
     c.stop()
-    assert c.leftovers() == [] and processes.leftovers(tag) == []
+    assert c.leftovers() == [] and child_processes.leftovers(tag) == []
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +126,8 @@ def cluster(session_engines):
 def nothing_left_behind():
     """After a test: no process it started survives (everything this process starts carries its launch tag). Any
     that did is stopped, and the test fails naming it. Test modules that launch use it for every test."""
-    from tutorial.launch import processes
+    from tutorial.launch import child_processes
     yield
-    left = processes.leftovers()
-    processes.stop(left)
+    left = child_processes.leftovers()
+    child_processes.stop(left)
     assert not left, f"processes left behind: {left}"

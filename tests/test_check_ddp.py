@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, env
 
 from tutorial.launch import check_ddp as cd
-from tutorial.launch.processes import TAG, leftovers
+from tutorial.launch.child_processes import TAG, leftovers
 
 ZOO = ROOT / "tests" / "ddp_zoo"
 STANDALONE = ROOT / "examples" / "ddp_standalone.py"

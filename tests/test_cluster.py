@@ -20,18 +20,18 @@ import tutorial.train_ddp as train_ddp
 from conftest import needs_horovod, needs_mpi
 
 from tutorial.core.config import TrainConfig
-from tutorial.launch import processes
+from tutorial.launch import child_processes
 from tutorial.launch.engines import STOP_GRACE_S, ClusterError, EngineTimeout, RankError
 
 
-def leftovers(tag: str = processes.TAG) -> set[str]:
+def leftovers(tag: str = child_processes.TAG) -> set[str]:
     """Cluster processes still running that carry `tag` (default: started by these tests). Everything a cluster
     starts carries its tag, below this process's; so does what a notebook kernel started here starts."""
-    return {f"{p['pid']} {p['cmdline'][:150]}" for p in processes.leftovers(tag, processes.PROCESS_NAMES)
+    return {f"{p['pid']} {p['cmdline'][:150]}" for p in child_processes.leftovers(tag, child_processes.PROCESS_NAMES)
             if not p["zombie"]}
 
 
-def assert_nothing_left(tag: str = processes.TAG, wait: float = 10.0) -> None:
+def assert_nothing_left(tag: str = child_processes.TAG, wait: float = 10.0) -> None:
     """Processes may take a moment to exit; anything still there after `wait` seconds is an orphan."""
     deadline = time.monotonic() + wait
     while leftovers(tag) and time.monotonic() < deadline:
@@ -150,8 +150,8 @@ def test_busy_port_is_reported_before_anything_starts():
 
 
 def test_engines_that_cannot_start_give_their_output_and_leave_nothing(monkeypatch):
-    tag = processes.new_tag()
-    monkeypatch.setattr(processes, "new_tag", lambda: tag)  # the tag the cluster will have
+    tag = child_processes.new_tag()
+    monkeypatch.setattr(child_processes, "new_tag", lambda: tag)  # the tag the cluster will have
     start = time.monotonic()
     with pytest.raises(RankError, match="engines stopped while starting"):
         cluster_mod.start(n=2, show=False, launcher=dict(engine_cmd=[sys.executable, "-c", "raise SystemExit(3)"]))
@@ -336,8 +336,8 @@ def test_notebook_px_cell_quiet_output_and_killed_kernel_leaves_nothing(monkeypa
     cluster still running (nbval's timeout, a crash) leaves no engine behind thanks to the reaper."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
-    kernel_tag = processes.new_tag()
-    monkeypatch.setenv(processes.TAG_VARIABLE, kernel_tag)  # the kernel's cluster carries it on
+    kernel_tag = child_processes.new_tag()
+    monkeypatch.setenv(child_processes.TAG_VARIABLE, kernel_tag)  # the kernel's cluster carries it on
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in NOTEBOOK_CELLS])
     client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": "."}})
     with client.setup_kernel():
@@ -386,7 +386,7 @@ class Kernel:
     def __init__(self, tag: str, cwd):
         from jupyter_client import KernelManager
         self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(env=dict(os.environ, **{processes.TAG_VARIABLE: tag}), cwd=str(cwd))
+        self.km.start_kernel(env=dict(os.environ, **{child_processes.TAG_VARIABLE: tag}), cwd=str(cwd))
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=90)
@@ -438,7 +438,7 @@ def test_interrupt_stops_the_engines_run_at_a_step_and_the_next_cell_runs_at_onc
     as a SIGTERM does, every rank at the same step, the checkpoint whole; one line says so, and the next cell starts
     at once on the same engines. Under %%px, ipyparallel's magic interrupts the engines itself. Before this, the
     engines went on training and the next cell waited for the abandoned run (69 s in issue 29)."""
-    tag, out = processes.new_tag(), tmp_path / "run"
+    tag, out = child_processes.new_tag(), tmp_path / "run"
     kernel = Kernel(tag, tmp_path)
     try:
         kernel.run("import time\nimport tutorial.launch.engines as engines, tutorial.train_ddp as train_ddp\n"
@@ -490,7 +490,7 @@ def test_starting_engines_twice_reuses_or_replaces_and_a_restart_leaves_nothing(
     """Re-running the engines cell: the same request reuses the running cluster, another stops it first (one line
     each; before, every run added a controller and engines: 10 processes, then 20). A cluster asked for by name runs
     beside it. Restarting the kernel (JupyterLab's Restart) leaves no process within a bounded time."""
-    tag = processes.new_tag()
+    tag = child_processes.new_tag()
     kernel = Kernel(tag, tmp_path)
     try:
         kernel.run("import tutorial.launch.engines as engines\nc1 = engines.start(n=2, show=False)")

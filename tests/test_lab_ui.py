@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from tutorial.core.process import free_port
-from tutorial.launch import processes
+from tutorial.launch import child_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -55,7 +55,7 @@ class Lab:
         self.port, self.token, self.tag = free_port(), os.urandom(12).hex(), tag
         env = dict(os.environ, VENV=sys.prefix, LAB_ROOT=str(root), JUPYTER_TOKEN=self.token,
                    JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTERLAB_SETTINGS_DIR=str(home / "settings"),
-                   JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"), LAB_CULL_S=str(CULL_S), **{processes.TAG_VARIABLE: tag})
+                   JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"), LAB_CULL_S=str(CULL_S), **{child_processes.TAG_VARIABLE: tag})
         self.log = open(home / "lab.log", "w")
         self.proc = subprocess.Popen(["bash", "scripts/lab.sh", "127.0.0.1", str(self.port)], cwd=ROOT, env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -83,7 +83,7 @@ class Lab:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
-        while processes.leftovers(self.tag) and time.monotonic() - start < 30:
+        while child_processes.leftovers(self.tag) and time.monotonic() - start < 30:
             time.sleep(0.2)
         return time.monotonic() - start
 
@@ -111,7 +111,7 @@ def test_make_lab_runs_00_setup_through_the_ui_interrupts_and_leaves_nothing(tmp
     tracker = home / "settings" / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
     tracker.parent.mkdir(parents=True)
     tracker.write_text('{"windowingMode": "none"}\n')
-    tag = processes.new_tag()
+    tag = child_processes.new_tag()
     lab = Lab(root, home, tag)
     profile = tmp_path / "chromium-profile"
     try:
@@ -133,8 +133,8 @@ def test_make_lab_runs_00_setup_through_the_ui_interrupts_and_leaves_nothing(tmp
                 browser.close()
     finally:
         seconds = lab.stop()
-    left = processes.leftovers(tag)
-    processes.stop(left)
+    left = child_processes.leftovers(tag)
+    child_processes.stop(left)
     assert not left, f"left running after the lab stopped: {left}"
     print(f"lab stopped: nothing left after {seconds:.1f} s")
     browsers = [q.pid for q in psutil.process_iter(["cmdline"]) if str(profile) in " ".join(q.info["cmdline"] or [])]
@@ -188,7 +188,7 @@ def drive(page, lab: Lab) -> None:
 
 
 def engines_of(tag: str) -> list[dict]:
-    return [p for p in processes.leftovers(tag, processes.PROCESS_NAMES) if not p["zombie"]]
+    return [p for p in child_processes.leftovers(tag, child_processes.PROCESS_NAMES) if not p["zombie"]]
 
 
 def type_cell(page, code: str) -> None:

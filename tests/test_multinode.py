@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tutorial.launch import commands, processes, worker
+from tutorial.launch import child_processes, commands, worker
 from tutorial.lessons import multi_node
 
 pytestmark = pytest.mark.usefixtures("nothing_left_behind")  # conftest's: every test stops what it started
@@ -32,7 +32,7 @@ def test_a_missing_interface_fails_at_once_with_its_name():
 def test_torchrun_c10d_rendezvous_numbers_two_nodes():
     nodes = commands.torchrun_nodes("", rdzv="c10d", program=["-m", "tutorial.launch.worker"])
     assert all("--node_rank" not in cmd for cmd in nodes)
-    seen = multi_node.rank_reports(processes.launch(nodes, timeout=120))
+    seen = multi_node.rank_reports(child_processes.launch(nodes, timeout=120))
     assert [r["rank"] for r in seen] == [0, 1]
     assert all(r["world_size"] == 2 and r["all_reduce_sum"] == 3 and r["init_method"] == "env" for r in seen)
 
@@ -40,24 +40,24 @@ def test_torchrun_c10d_rendezvous_numbers_two_nodes():
 def test_workers_outlive_a_killed_launcher_until_stopped():
     survivors = multi_node.kill_the_launcher(nproc=2, hold=60)
     assert len(survivors) == 2 and not any(p["zombie"] for p in survivors)
-    assert len(processes.stop(survivors)) == 2
-    assert not processes.leftovers()
+    assert len(child_processes.stop(survivors)) == 2
+    assert not child_processes.leftovers()
 
 
 def test_a_failing_node_is_one_error_with_its_output():
     fail = [sys.executable, "-c", "print('disk quota exceeded'); raise SystemExit(3)"]
     ok = [sys.executable, "-c", "pass"]
     with pytest.raises(RuntimeError, match=r"node 1 exited with code 3:(.|\n)*disk quota exceeded"):
-        processes.launch([ok, fail], timeout=30)
-    assert not processes.launch([ok, fail], timeout=30, check=False).ok
+        child_processes.launch([ok, fail], timeout=30)
+    assert not child_processes.launch([ok, fail], timeout=30, check=False).ok
 
 
 def test_a_failed_node_ends_the_launch(monkeypatch):
-    monkeypatch.setattr(processes, "FAILED_NODE_GRACE_S", 1.0)
+    monkeypatch.setattr(child_processes, "FAILED_NODE_GRACE_S", 1.0)
     waiting = [sys.executable, "-c", "import time; time.sleep(120)"]
     fail = [sys.executable, "-c", "raise SystemExit(4)"]
     start = time.monotonic()
-    run = processes.launch([waiting, fail], timeout=60, check=False)
+    run = child_processes.launch([waiting, fail], timeout=60, check=False)
     assert run.returncodes[1] == 4 and run.returncodes[0] != 0 and time.monotonic() - start < 20
 
 
@@ -65,9 +65,9 @@ def test_a_hanging_launch_is_stopped_at_its_timeout():
     sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within 1 s"):
-        processes.launch([sleeper, sleeper], timeout=1)
+        child_processes.launch([sleeper, sleeper], timeout=1)
     assert time.monotonic() - start < 20
-    assert not processes.leftovers()
+    assert not child_processes.leftovers()
 
 
 def test_static_torchrun_commands_differ_only_in_node_rank():
@@ -88,10 +88,10 @@ def test_mpi_commands_name_the_hosts():
 
 def test_launcher_env(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
-    env = processes.launcher_env(GLOO_SOCKET_IFNAME="lo")
+    env = child_processes.launcher_env(GLOO_SOCKET_IFNAME="lo")
     assert "MASTER_ADDR" not in env and env["GLOO_SOCKET_IFNAME"] == "lo" and env["CUDA_VISIBLE_DEVICES"] == ""
     assert ("OMPI_ALLOW_RUN_AS_ROOT" in env) == (os.geteuid() == 0)
-    assert env[processes.TAG_VARIABLE].startswith(processes.TAG + "/")
+    assert env[child_processes.TAG_VARIABLE].startswith(child_processes.TAG + "/")
 
 
 def test_worker_cli_wants_rank_and_world_size_together(capsys):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from tutorial.launch import commands, processes
+from tutorial.launch import child_processes, commands
 from tutorial.lessons import multi_node
 
 nodes, slurm = multi_node.vcluster()  # the tool, imported from this checkout's tools/vcluster/
@@ -77,7 +77,7 @@ def pair(machine):
     while ours_inside() and time.monotonic() < deadline:
         time.sleep(0.2)
     left = ours_inside()
-    processes.stop(list(left))
+    child_processes.stop(list(left))
     assert not left, f"left running inside the nodes: {left}"
 
 
@@ -94,10 +94,10 @@ def slurm_pair(pair):
     return pair
 
 
-def on_pair(cmd_for_rank, env=None, timeout=240, check=True) -> processes.Launch:
+def on_pair(cmd_for_rank, env=None, timeout=240, check=True) -> child_processes.Launch:
     """One command per node, started together (06's rehearsal, on real nodes): cmd_for_rank(rank) -> argv."""
-    return processes.launch([nodes.command(node, cmd_for_rank(rank)) for rank, node in enumerate(PAIR)],
-                            env=processes.launcher_env(**(env or {})), timeout=timeout, check=check)
+    return child_processes.launch([nodes.command(node, cmd_for_rank(rank)) for rank, node in enumerate(PAIR)],
+                            env=child_processes.launcher_env(**(env or {})), timeout=timeout, check=check)
 
 
 def torchrun_c10d(program: list[str], port: int = 29400) -> list[str]:
@@ -179,12 +179,12 @@ def test_torchrun_c10d_across_two_nodes(pair):
 def test_mpirun_with_an_rsh_agent_trains_across_two_nodes(pair, tmp_path):
     # Open MPI starts the remote ranks with `<agent> node2 orted ...`; the agent enters node2 where ssh would log in
     agent = ["-mca", "plm_rsh_agent", str(RSH)]
-    where = processes.launch([nodes.command("node1", ["mpirun", *agent, "-np", "2", "-H", "node1,node2", "hostname"])],
-                             timeout=60)
+    where = child_processes.launch(
+        [nodes.command("node1", ["mpirun", *agent, "-np", "2", "-H", "node1,node2", "hostname"])], timeout=60)
     assert sorted(where.outputs[0].split()) == ["node1", "node2"]
     mpirun = commands.mpirun_command(tmp_path, np=2, hosts="node1,node2")
     mpirun[1:1] = agent
-    run = processes.launch([nodes.command("node1", mpirun + FAST[2:])], out=tmp_path, timeout=240)
+    run = child_processes.launch([nodes.command("node1", mpirun + FAST[2:])], out=tmp_path, timeout=240)
     assert run.metrics["world_size"] == 2 and run.metrics["replicas_identical"]
 
 
@@ -195,8 +195,8 @@ def test_horovodrun_across_two_nodes(pair, tmp_path):
     # horovodrun reaches node2 with `ssh node2 ...`; the ssh on the PATH enters the namespace. --network-interface
     # names the cluster network, as seed 003 learned to (and spares horovodrun probing every interface over ssh).
     horovodrun[1:1] = ["--network-interface", nodes.IFNAME]
-    env = processes.launcher_env(PATH=f"{SSH_DIR}{os.pathsep}{os.environ['PATH']}")
-    run = processes.launch([nodes.command("node1", horovodrun + FAST[2:])], out=tmp_path, env=env, timeout=240)
+    env = child_processes.launcher_env(PATH=f"{SSH_DIR}{os.pathsep}{os.environ['PATH']}")
+    run = child_processes.launch([nodes.command("node1", horovodrun + FAST[2:])], out=tmp_path, env=env, timeout=240)
     assert run.metrics["world_size"] == 2 and run.metrics["replicas_identical"]
 
 
@@ -215,7 +215,7 @@ def test_the_wrong_interface_fails_and_gloo_socket_ifname_fixes_it(pair, monkeyp
     """Seed 003 for real: each node's /etc/hosts maps its own name to 127.0.1.1 (Debian's installer does this).
     gloo resolves the host name to choose the address it advertises, so the other node is told 127.0.1.1 and
     connects to itself. Naming the interface the nodes share fixes it, without touching /etc/hosts."""
-    monkeypatch.setattr(processes, "FAILED_NODE_GRACE_S", 3.0)  # the node still waiting would wait 60 s
+    monkeypatch.setattr(child_processes, "FAILED_NODE_GRACE_S", 3.0)  # the node still waiting would wait 60 s
     nodes.self_on_loopback(True)
     method = "tcp://node1:29501"
     broken = on_pair(lambda rank: commands.manual_commands(method)[rank], check=False, timeout=180)
@@ -260,7 +260,7 @@ def test_sbatch_recipes_run_across_both_nodes(slurm_pair, tmp_path):
         if recipe.startswith("horovod") and not (Path(sys.executable).parent / "horovodrun").exists():
             continue  # Horovod is not built yet
         out = tmp_path / recipe.split("_")[0]
-        env = dict(processes.launcher_env(), OUT=str(out))  # sbatch exports the environment to the job
+        env = dict(child_processes.launcher_env(), OUT=str(out))  # sbatch exports the environment to the job
         jobs[recipe] = out, slurm.submit(ROOT / "scripts" / "slurm" / recipe, *FAST[2:], env=env, output=f"{out}.log")
     for recipe, (out, job_id) in jobs.items():
         info = slurm.wait(job_id, timeout=300)
@@ -288,7 +288,7 @@ def test_engines_through_slurm_on_both_nodes(slurm_pair):
     """The notebook's engines, started from a Python process on node1 (the job's first node, where the notebook would
     run): the controller listens on node1's eth0, and Slurm starts one engine on each node. device="auto" finds no
     GPU on the nodes and uses the CPU there."""
-    run = processes.launch([nodes.command("node1", [sys.executable, "-c", ENGINES])], timeout=300, check=False)
+    run = child_processes.launch([nodes.command("node1", [sys.executable, "-c", ENGINES])], timeout=300, check=False)
     lines = [line for line in run.outputs[0].splitlines() if line.startswith("{")]
     assert run.ok and lines, run.outputs[0][-3000:]
     assert json.loads(lines[-1]) == dict(hosts=["node1", "node2"], world_size=2, replicas_identical=True,

@@ -213,7 +213,7 @@ def netns_pids(name: str) -> list[int]:
 
 def stop_pids(pids: list[int]) -> None:
     """Terminate, then kill, the processes: the package's one implementation (psutil's wait_procs)."""
-    from tutorial.launch.processes import stop
+    from tutorial.launch.child_processes import stop
     stop(pids)
 
 

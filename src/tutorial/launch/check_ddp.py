@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..core.process import threads_per_process
 from . import rank_recorder as recorder
-from .processes import Nodes, launcher_env
+from .child_processes import Nodes, launcher_env
 
 HANG_S = 10.0  # no live rank moved (no batch, no step, the same functions) for this long, one in a collective: a hang
 BEAT_S = 3.0  # a rank whose progress thread has not written for this long holds the GIL: it is busy, not waiting

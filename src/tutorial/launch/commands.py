@@ -1,5 +1,5 @@
 """The launch commands the workbook teaches, as argument lists: torchrun across nodes, mpirun -H, horovodrun -H and
-hand-written ranks (06_multi_node). Nothing here starts anything; `processes.launch` does."""
+hand-written ranks (06_multi_node). Nothing here starts anything; `child_processes.launch` does."""
 from __future__ import annotations
 
 import shlex

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from ..core.config import ConfigError
 from ..core.process import Sigterm, Stopped, free_port, open_mpi_env, threads_per_process
-from . import processes
+from . import child_processes
 
 ENGINE_KINDS = ("local", "mpi", "slurm", "pbs")
 DEVICES = ("auto", "cuda", "cpu")
@@ -259,7 +259,7 @@ def _config(kind: str, n: int, gpus, mpi_args, launcher: dict, tag: str, timeout
     from ipyparallel.cluster.launcher import find_launcher_class
     from traitlets.config import Config
     config = Config()
-    env = {"PYTHONUNBUFFERED": "1", processes.TAG_VARIABLE: tag}   # the tag finds every process the cluster starts
+    env = {"PYTHONUNBUFFERED": "1", child_processes.TAG_VARIABLE: tag}  # the tag finds every process the cluster starts
     config.ControllerLauncher.environment = dict(env)
     config.ControllerLauncher.connection_info_timeout = float(timeout)
     if kind == "local" or (kind == "mpi" and not mpi_args):  # all on this node: a fair share of its cores each
@@ -329,7 +329,7 @@ def start(n: int | None = None, engines: str = "local", *, device: str = "auto",
         print(f"engines: stopped the {earlier.n} {earlier.kind} engine(s) this kernel started before, to start "
               f"these (one cluster per kernel; name=... runs another beside it)", flush=True)
     controller_args = ["--ports", _check_ports(ports, bind)] if ports else []
-    tag = processes.new_tag()
+    tag = child_processes.new_tag()
     ipp_options.setdefault("controller_location", where)
     ipp_cluster = ipp.Cluster(engines=engines, n=n, controller_ip=bind, controller_args=controller_args, delay=0,
                               engine_timeout=math.ceil(timeout), log=_ipp_log,
@@ -376,7 +376,7 @@ class Cluster:
         # dies, it stops whatever ipyparallel's cluster file still lists (see the end of this module).
         self._reaper = subprocess.Popen(
             [sys.executable, "-m", __name__, self._ipp.cluster_file, self.tag], stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, env=dict(os.environ, **{processes.TAG_VARIABLE: self.tag}),
+            stdout=subprocess.DEVNULL, env=dict(os.environ, **{child_processes.TAG_VARIABLE: self.tag}),
             start_new_session=True)
         with self._engines_starting():
             self.client = self._ipp.start_and_connect_sync()  # the controller, n engines, a client; bounded wait
@@ -490,12 +490,12 @@ class Cluster:
                     self._reaper.wait(timeout=30)
                 except subprocess.TimeoutExpired:  # the sweep below ends it
                     pass
-            processes.stop(self.leftovers())  # what ipyparallel does not track: engine nannies, a rank's children
+            child_processes.stop(self.leftovers())  # what ipyparallel does not track: engine nannies, a rank's children
 
     def leftovers(self) -> list[dict]:
         """This cluster's processes on this host that are still running (controller, engines and their nannies,
         mpiexec and its ranks, the reaper): [] once stop() has returned (00_setup, 05_horovod check it)."""
-        return [p for p in processes.leftovers(self.tag) if not p["zombie"]]
+        return [p for p in child_processes.leftovers(self.tag) if not p["zombie"]]
 
     def _healthy(self) -> bool:
         """Every engine still registered and answering (a run in progress would not answer)."""
@@ -686,4 +686,4 @@ if __name__ == "__main__":
             import ipyparallel as ipp
             ipp.Cluster.from_file(cluster_file, log=_ipp_log).stop_cluster_sync()
         finally:
-            processes.stop(processes.leftovers(tag))
+            child_processes.stop(child_processes.leftovers(tag))

@@ -60,8 +60,8 @@ def checkpoint_epochs(out: str) -> int:
 def _interrupted(command: list[str], out: str, after_epochs: int, interrupt, timeout: float) -> dict:
     """Run `command`; once the checkpoint in `out` holds `after_epochs` epochs, call interrupt(process, seconds
     left) and wait for the end. Returns the command, the exit code and the output; nothing is left running."""
-    from ..launch import commands, processes
-    nodes = processes.Nodes([command], processes.launcher_env())
+    from ..launch import child_processes, commands
+    nodes = child_processes.Nodes([command], child_processes.launcher_env())
     job = nodes.procs[0]
     try:
         deadline = time.monotonic() + timeout

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..core.process import free_port
 from ..launch.commands import manual_commands
-from ..launch.processes import Launch, Nodes, launch, launcher_env, leftovers
+from ..launch.child_processes import Launch, Nodes, launch, launcher_env, leftovers
 
 
 def manual_ranks(init: str = "tcp", world_size: int = 2, shared_dir: str | None = None, timeout: float = 120,

@@ -6,8 +6,8 @@ environment variable TUTORIAL_LAUNCH=<this Python process's tag>/<n>. Launchers 
 gone; the inherited variable does. A Python process started under a tag extends it, so a test finds what the
 notebook kernel it started has started.
 
-`python -m tutorial.launch.processes` (scripts/check_leftovers.sh) lists every process on this machine whose command
-line names one of PROCESS_NAMES, and fails if there is one.
+`python -m tutorial.launch.child_processes` (scripts/check_leftovers.sh) lists every process on this machine whose
+command line names one of PROCESS_NAMES, and fails if there is one.
 """
 from __future__ import annotations
 
