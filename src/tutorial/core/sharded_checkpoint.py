@@ -9,7 +9,8 @@ rank-0 file). Each rank writes its own shards in parallel instead:
   state per rank). It resumes at the world size that wrote it; `zero_to_fp32.py`, written beside it, rebuilds
   the full fp32 weights at any size.
 
-Both live in out/checkpoint/ and hold the same State (epoch, step, history) as core.checkpoint.
+Both live in out/checkpoint/ and hold the same State (epoch, step, history) as core.checkpoint. In core, not beside
+one trainer: train_fsdp and train_deepspeed both use it, and lessons.sharded reads what both wrote.
 """
 from __future__ import annotations
 
