@@ -14,10 +14,9 @@ import shutil
 import subprocess
 import sys
 
-from .core.config import STAGES, OneLineErrorParser, first_line
+from .core.config import GPT_STAGES, STAGES, OneLineErrorParser, first_line
 
-MODEL_PARALLEL = ("gpt", "tp", "pp", "2d")  # the GPT trainers (ParallelConfig); STAGES are the image trainers
-TRAINERS = (*STAGES, *MODEL_PARALLEL)  # train_<stage>.py, every one of them
+TRAINERS = (*STAGES, *GPT_STAGES)  # train_<stage>.py, every one of them: the image trainers, then the GPT ones
 COMMANDS = {
     "doctor": "what is installed; exit 1 with a fix per missing piece",
     "train": "run a trainer in this process: tutorial train STAGE [options] (launch the distributed ones with "
@@ -163,7 +162,7 @@ def train(argv) -> int:
     stage, options = argv[0], argv[1:]
     from .core.process import run_main
     module = importlib.import_module(f"tutorial.train_{stage}")
-    if stage in MODEL_PARALLEL:
+    if stage in GPT_STAGES:
         from .core.parallel_config import parse_parallel_args
         cfg = parse_parallel_args(f"tutorial train {stage}", options, stage=stage)
     else:

@@ -51,6 +51,7 @@ ONLY_IN = {
     "compile": ("single", "ddp", "horovod", "fsdp", "deepspeed", "lightning"),
 }
 STAGES = ("single", "dp", "ddp", "horovod", "fsdp", "deepspeed", "lightning")
+GPT_STAGES = ("gpt", "tp", "pp", "2d")  # the trainers of the small GPT (11): core.parallel_config, not TrainConfig
 
 
 @dataclass

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.config import STAGES, ConfigError, TrainConfig, default_preset, parse_args
+from ..core.config import GPT_STAGES, STAGES, ConfigError, TrainConfig, default_preset, parse_args
 from ..bench.record import print_table  # noqa: F401 - the notebooks' tables: notebook.print_table
 
 # The accuracy each preset reaches when training works; notebooks compare against these, not exact numbers.
@@ -96,11 +96,6 @@ def sized_for_cpu(cfg: TrainConfig) -> TrainConfig:
     return cfg.replace(**sizes, preset_name=CPU_PRESET)
 
 
-# 11_model_parallelism's trainers (train_tp, train_pp, train_2d): DTensor and pipelining want a GPU per rank, so
-# with fewer GPUs their ranks run on the CPU.
-MODEL_PARALLEL = ("tp", "pp", "2d")
-
-
 def allocation(ranks: int, cfg: TrainConfig | None = None, trainer: str | None = "ddp") -> Allocation:
     """What a lesson's `ranks` processes run on, and with what config; prints the choice in one line.
 
@@ -120,8 +115,8 @@ def allocation(ranks: int, cfg: TrainConfig | None = None, trainer: str | None =
     """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ConfigError(f"ranks must be a whole number of at least 1, got {ranks!r}")
-    if trainer is not None and trainer not in STAGES + MODEL_PARALLEL:
-        raise ConfigError(f"trainer {trainer!r} is not one of: {', '.join(STAGES + MODEL_PARALLEL)} (or None for a "
+    if trainer is not None and trainer not in STAGES + GPT_STAGES:
+        raise ConfigError(f"trainer {trainer!r} is not one of: {', '.join(STAGES + GPT_STAGES)} (or None for a "
                           f"process group made by hand)")
     cfg = cfg if cfg is not None else TrainConfig.preset(default_preset())
     gpus = _visible_gpus()
