@@ -16,7 +16,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from ..core.config import ConfigError, TrainConfig
+from ..core.config import ConfigError, TrainConfig, first_line
 from ..core.process import exit_process, threads_per_process, usable_cores
 
 
@@ -107,8 +107,7 @@ def launch_horovod(fn, job: dict, nproc: int, timeout: float = 900, verbose: boo
             results = horovod.run(_horovod_rank, args=(fn, job, nproc, timeout), np=nproc, hosts=f"localhost:{nproc}",
                                   use_gloo=True, verbose=0)
     except Exception as exc:  # noqa: BLE001 - horovod.run wraps any rank's failure; report its first line
-        lines = str(exc).strip().splitlines()
-        raise RunFailed(f"horovod run failed: {lines[0] if lines else type(exc).__name__}") from None
+        raise RunFailed(f"horovod run failed: {first_line(exc, None) or type(exc).__name__}") from None
     return results[0]
 
 

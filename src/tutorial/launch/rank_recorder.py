@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 
+from ..core.config import first_line
+
 DIR_VARIABLE = "TUTORIAL_CHECK_DIR"
 MAX_STEPS_VARIABLE, MAX_SECONDS_VARIABLE = "TUTORIAL_CHECK_MAX_STEPS", "TUTORIAL_CHECK_MAX_SECONDS"
 LR_PROBE_VARIABLE = "TUTORIAL_CHECK_LR_PROBE"  # "1": stop before the first optimizer step (the one-process lr run)
@@ -536,8 +538,7 @@ def run(argv: list[str], folder: str) -> None:
         rec.finish("finished")
         raise
     except BaseException as exc:
-        message = str(exc).strip().splitlines()
-        rec.finish("error", f"{type(exc).__name__}: {message[0][:200] if message else ''}", _error_where(rec, exc))
+        rec.finish("error", f"{type(exc).__name__}: {first_line(exc, 200)}", _error_where(rec, exc))
         raise
     rec.finish("finished")
 
