@@ -29,9 +29,8 @@ from .core.process import run_main
 
 def setup(cfg: TrainConfig):
     """The device, the precision policy and the seed; bad options fail here, before any work."""
-    # DDP: who we are (rank, local rank, world size from torchrun, MPI, Slurm or the engines), one GPU per process.
-    world = world_from_env()
-    device = pick_device(world.local_rank, world.local_world_size)
+    world = world_from_env()  # DDP: rank, local rank, world size from torchrun, MPI, Slurm or the engines
+    device = pick_device(world.local_rank, world.local_world_size)  # DDP: one GPU per process, by local rank
     precision = Precision(cfg.precision, device)
     cfg.check_stage("ddp", device)  # DDP: --sync-bn needs GPUs; --zero-stage, --fp16-allreduce are refused
     tracking.prepare_output(cfg)
@@ -54,11 +53,10 @@ def build(cfg: TrainConfig, device: torch.device, world):  # DDP: needs rank and
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
         model = torch.compile(model)
-    # DDP: wrap after compiling (torch.compile(DDP(model)) compiles nothing, torch 2.14): broadcasts rank 0's weights,
-    # all-reduces gradients in backward. A world_size times larger batch, a larger lr; each rank its own augmentation.
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    lr = scaled_lr(cfg, world.world_size)
-    torch.manual_seed(cfg.seed + world.rank)
+    # DDP: wrap after compiling (torch.compile(DDP(model)) compiles nothing, torch 2.14); it broadcasts rank 0's weights
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # DDP: backward all-reduces
+    lr = scaled_lr(cfg, world.world_size)  # DDP: a world_size times larger global batch, a larger lr
+    torch.manual_seed(cfg.seed + world.rank)  # DDP: each rank its own random crops and flips
     optimizer = build_optimizer(model, cfg, lr)
     return model, optimizer, train_loader, test_loader, lr
 

@@ -33,9 +33,8 @@ deepspeed = import_deepspeed()  # DeepSpeed: with its accelerator named (it pick
 
 def setup(cfg: TrainConfig):
     """The device, the precision policy and the seed; bad options fail here, before any work."""
-    # DDP: who we are (rank, local rank, world size from torchrun, MPI, Slurm or the engines), one GPU per process.
-    world = world_from_env()
-    device = pick_device(world.local_rank, world.local_world_size)
+    world = world_from_env()  # DDP: rank, local rank, world size from torchrun, MPI, Slurm or the engines
+    device = pick_device(world.local_rank, world.local_world_size)  # DDP: one GPU per process, by local rank
     precision = Precision(cfg.precision, device)
     cfg.check_stage("deepspeed", device)  # DeepSpeed: --sync-bn is refused here
     tracking.prepare_output(cfg)
@@ -58,7 +57,7 @@ def build(cfg: TrainConfig, device: torch.device, world):  # DDP: needs rank and
     test_loader = make_loader(test_set, cfg, device)
     model = build_model(cfg.model, info).to(device)
     # DeepSpeed: --channels-last converts the inputs only (it flattens parameters, which must be contiguous).
-    lr = scaled_lr(cfg, world.world_size)
+    lr = scaled_lr(cfg, world.world_size)  # DDP: a world_size times larger global batch, a larger lr
     optimizer = build_optimizer(model, cfg, lr)
     # DeepSpeed: the engine does what the other trainers spell out, configured from the same cfg. fp16 is its
     # loss-scaled mode; bf16 is autocast (below), as in every trainer: its "bf16" mode keeps bf16 weights beside fp32

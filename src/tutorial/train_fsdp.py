@@ -32,9 +32,8 @@ from .core.process import run_main
 
 def setup(cfg: TrainConfig):
     """The device, the precision policy and the seed; bad options fail here, before any work."""
-    # DDP: who we are (rank, local rank, world size from torchrun, MPI, Slurm or the engines), one GPU per process.
-    world = world_from_env()
-    device = pick_device(world.local_rank, world.local_world_size)
+    world = world_from_env()  # DDP: rank, local rank, world size from torchrun, MPI, Slurm or the engines
+    device = pick_device(world.local_rank, world.local_world_size)  # DDP: one GPU per process, by local rank
     precision = Precision(cfg.precision, device)
     cfg.check_stage("fsdp", device)  # FSDP: --sync-bn is refused here
     tracking.prepare_output(cfg)
@@ -68,8 +67,8 @@ def build(cfg: TrainConfig, device: torch.device, world, precision):  # FSDP: an
             block.forward = torch.compile(block.forward)
         fully_shard(block, mp_policy=policy)  # FSDP: its parameters become DTensors, 1/world_size per rank
     fully_shard(model, mp_policy=MixedPrecisionPolicy(precision.dtype, torch.float32, output_dtype=torch.float32))
-    lr = scaled_lr(cfg, world.world_size)
-    torch.manual_seed(cfg.seed + world.rank)
+    lr = scaled_lr(cfg, world.world_size)  # DDP: a world_size times larger global batch, a larger lr
+    torch.manual_seed(cfg.seed + world.rank)  # DDP: each rank its own random crops and flips
     optimizer = build_optimizer(model, cfg, lr)  # FSDP: after sharding, so its state is sharded too
     return model, optimizer, train_loader, test_loader, lr
 
