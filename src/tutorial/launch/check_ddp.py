@@ -15,7 +15,6 @@ From Python (a notebook): `check_ddp(script, args=(), nproc=2, ...) -> Report`; 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -27,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.config import OneLineErrorParser
 from ..core.process import threads_per_process
 from . import rank_recorder as recorder
 from .child_processes import Nodes, launcher_env
@@ -555,16 +555,11 @@ def _teardown_findings(run: dict, nproc: int):
 
 
 # ------------------------------------------------------------------------------------------------------------- CLI
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, as every bad input of the workbook (argparse adds its usage)
-        self.exit(2, f"error: {message} (usage: {self.usage})\n")
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     script_args = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    parser = _OneLineParser(prog="tutorial check-ddp", usage="tutorial check-ddp SCRIPT [options] [-- SCRIPT_ARGS...]",
+    parser = OneLineErrorParser(prog="tutorial check-ddp", usage="tutorial check-ddp SCRIPT [options] [-- SCRIPT_ARGS...]",
                             description="Run your DDP training script, unchanged, under torchrun and say what is "
                             "wrong with it, from what its ranks did. Exit 0: nothing wrong, 1: findings, 2: bad input.")
     parser.add_argument("script", help="your training script, run unchanged")
