@@ -66,14 +66,14 @@ def memory_per_rank(cfg: TrainConfig, strategy: str) -> dict:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not one of: {', '.join(STRATEGIES)}")
     if strategy == "ddp":
-        device, amp, world, created = train_ddp.setup(cfg)
+        device, precision, world, created = train_ddp.setup(cfg)
         model, optimizer, loader, _, _ = train_ddp.build(cfg, device, world)
     elif strategy == "fsdp":
-        device, amp, world, created = train_fsdp.setup(cfg)
-        model, optimizer, loader, _, _ = train_fsdp.build(cfg, device, world, amp)
+        device, precision, world, created = train_fsdp.setup(cfg)
+        model, optimizer, loader, _, _ = train_fsdp.build(cfg, device, world, precision)
     else:
         cfg = cfg.replace(zero_stage=int(strategy[-1]))
-        device, amp, world, created = train_deepspeed.setup(cfg)
+        device, precision, world, created = train_deepspeed.setup(cfg)
         model, optimizer, loader, _, _ = train_deepspeed.build(cfg, device, world)
     deepspeed = strategy.startswith("zero")
     try:
@@ -372,7 +372,7 @@ def launch(stage: str, cfg: TrainConfig, out: str, launcher: str = "torchrun", n
     from ..core.config import to_argv
     from ..core.process import free_port, threads_per_process
     from ..launch.commands import _tool, display
-    from ..launch.processes import launch as start, launcher_env
+    from ..launch.child_processes import launch as start, launcher_env
     program = ["-m", f"tutorial.train_{stage}", *to_argv(cfg.replace(out=out))]
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *program]
