@@ -1,9 +1,9 @@
 """10_when_things_go_wrong: what the notebook needs around the failures it provokes on purpose.
 
 The failures themselves (a collective one rank skips, shapes that differ, a barrier nobody else reaches) and the
-tools (`py-spy dump`, `os.kill`, `torchrun --max-restarts`) are typed in the notebook. Here: the line a rank waits on
-in a py-spy dump, the pid of a torchrun worker to kill, a walltime's SIGTERM-then-SIGKILL, and the exercises' checkers
-and solutions.
+tools (`py-spy dump`, torch's debug server, `os.kill`, `torchrun --max-restarts`) are typed in the notebook. Here: the
+line a rank waits on in a py-spy dump, the debug server's pages taken apart and read together, the pid of a torchrun
+worker to kill, a walltime's SIGTERM-then-SIGKILL, and the exercises' checkers and solutions.
 """
 from __future__ import annotations
 
