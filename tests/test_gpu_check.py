@@ -71,7 +71,7 @@ def test_the_later_stages_hold_compile_fp16_sync_bn_the_bare_loop_model_parallel
     for stage in ("ddp-nccl-1", "fsdp-1gpu", "deepspeed-1gpu", "lightning-1gpu"):  # fp16 where a trainer takes it
         assert one[f"{stage}-fp16"].stage == 2
     assert not {n for n in one if "sync-bn" in n or n.startswith(("tp-", "pp-", "2d-"))}  # need a GPU per rank
-    assert eight["ddp-nccl-8-sync-bn"].stage == 2 and {"tp-nccl-2", "pp-nccl-2", "2d-nccl-4"} <= set(eight)
+    assert eight["ddp-nccl-8-sync-bn"].stage == 4 and {"tp-nccl-2", "pp-nccl-2", "2d-nccl-4"} <= set(eight)
     assert eight["ddp-nccl-8-bf16"].world == 8 and eight["ddp-gloo-2-ranks-on-1-gpus"].visible == "0"
     assert eight["notebook-03b_ddp_trainer-8gpu"].visible == "0,1,2,3,4,5,6,7"
 

@@ -134,22 +134,24 @@ def plan(gpus: int, out: Path, rehearse: bool = False, visible: list[str] | None
             claims=("exit", "metrics", "device", "replicas", "loss", "throughput"), min_accuracy=None)
     for stem, estimate in (("01_single_device", 45), ("03a_ddp_by_hand", 35), ("03b_ddp_trainer", 120)):
         notebook(1, stem, estimate)
-    # Stage 2: torch.compile, fp16 for every trainer that takes it, SyncBatchNorm, notebooks 04 and 07.
+    # Stage 2: torch.compile, fp16 for every trainer that takes it, notebooks 04 (TF32, FP8's formats, compile under
+    # DDP with inductor: 120 s by guess, 70 before those sections) and 07 (MFU: 100 s).
     trainer(2, "single", "--precision", "bf16", "--channels-last", "--compile", name="single-compile", estimate=100,
             timeout=240)
-    trainer(2, "dp", "--precision", "fp16", name="dp-fp16", estimate=12, world=1)
     trainer(2, "ddp", "--precision", "fp16", nproc=n, name=f"ddp-nccl-{n}-fp16", estimate=16)
     sharded(2, "fp16")
-    if n >= 2:  # SyncBatchNorm needs a GPU per rank
-        trainer(2, "ddp", "--sync-bn", nproc=n, name=f"ddp-nccl-{n}-sync-bn", estimate=20)
-    for stem, estimate in (("04_mixed_precision", 70), ("07_scaling_study", 90)):
+    for stem, estimate in (("04_mixed_precision", 120), ("07_scaling_study", 100)):
         notebook(2, stem, estimate)
-    # Stage 3: fp32 of the sharded trainers and Lightning; notebooks 02, 08, 10.
+    # Stage 3: fp32 of the sharded trainers and Lightning; notebooks 08 and 10 (with the debug server: 220 s).
     sharded(3, "fp32")
-    for stem, estimate in (("02_data_parallel", 45), ("08_lightning", 110), ("10_when_things_go_wrong", 180)):
+    for stem, estimate in (("08_lightning", 110), ("10_when_things_go_wrong", 220)):
         notebook(3, stem, estimate)
-    # Stage 4: DDP + compile, the trainer against the bare loop, plain fp32, model parallel, notebooks 11, 00, 06.
+    # Stage 4: DDP + compile, the trainer against the bare loop, plain fp32, DataParallel in fp16, SyncBatchNorm,
+    # model parallel, notebooks 11, 00, 06.
     trainer(4, "ddp", "--compile", nproc=n, name=f"ddp-nccl-{n}-compile", estimate=90, timeout=240)
+    trainer(4, "dp", "--precision", "fp16", name="dp-fp16", estimate=12, world=1)
+    if n >= 2:  # SyncBatchNorm needs a GPU per rank
+        trainer(4, "ddp", "--sync-bn", nproc=n, name=f"ddp-nccl-{n}-sync-bn", estimate=20)
     bare = CHECKOUT / "benchmarks" / "bare_loop.py"
     found.append(Check(name="resnet50-trainer-vs-bare-loop", stage=4, estimate=70, timeout=180, device=device,
                        claims=("exit", "overhead"), out=str(out / "bare"), command=[
@@ -168,7 +170,8 @@ def plan(gpus: int, out: Path, rehearse: bool = False, visible: list[str] | None
                                         str(ranks), "-m", f"tutorial.train_{stage}", *args, "--out", where]))
     for stem, estimate in (("11_model_parallelism", 35), ("00_setup", 15), ("06_multi_node", 60)):
         notebook(4, stem, estimate)
-    # Stage 5: what the node usually lacks: Horovod (built with NCCL operations), and notebooks 05 and 09.
+    # Stage 5: what the node usually lacks: Horovod (built with NCCL operations); notebooks 05, 09 (with activation
+    # checkpointing, offload, HSDP and async DCP: 290 s) and 02.
     horovod_out = str(out / "horovod")
     found.append(Check(name=f"horovod-nccl-{n}", stage=5, estimate=20 + 1.5 * (n - 1), world=n, device=device,
                        out=horovod_out, needs=("program:horovodrun", "horovod-nccl"), claims=TRAINER_CLAIMS,
@@ -176,7 +179,8 @@ def plan(gpus: int, out: Path, rehearse: bool = False, visible: list[str] | None
                            _program("horovodrun"), "-np", str(n), "-H", f"localhost:{n}", "--gloo", PY, "-m",
                            "tutorial.train_horovod", *base, "--out", horovod_out]))
     notebook(5, "05_horovod", 60, needs=("module:horovod",))
-    notebook(5, "09_sharded_training", 240, needs=("module:deepspeed",))
+    notebook(5, "09_sharded_training", 290, needs=("module:deepspeed",))
+    notebook(5, "02_data_parallel", 45)
     if rehearse:
         found += controls(out)
     return found
