@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -328,3 +329,25 @@ def test_the_checks_find_what_review_4_found():
     mixed = "\n".join(needs_problems(Files(REVIEWED, worktree=("slides/course_plan.md",))))
     assert "06_multi_node (core day): needs ['05'], which the plan puts after it" in mixed
     assert "06_multi_node: the first cell needs ['03a', '03b', '05'], the plan ['03a', '03b']" in mixed
+
+
+def test_the_plan_is_what_its_script_writes_from_the_notes_and_the_stored_runs(tmp_path):
+    """slides/course_plan.md and README's core-day sentence are generated (scripts/course_plan.py, run by `make
+    notebooks`): a hand edit or a notes change without regenerating fails here, and so does a stale copy."""
+    script = ROOT / "scripts" / "course_plan.py"
+    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    # negative control: the same script over a copy whose plan lost a row's minutes must report it
+    copy = tmp_path / "repo"
+    (copy / "scripts").mkdir(parents=True)
+    (copy / "scripts" / "course_plan.py").write_text(script.read_text())
+    for folder in ("slides/notes", "notebooks"):
+        (copy / folder).mkdir(parents=True)
+        for f in (ROOT / folder).glob("*.md" if "notes" in folder else "*.ipynb"):
+            (copy / folder / f.name).write_text(f.read_text())
+    (copy / "README.md").write_text((ROOT / "README.md").read_text())
+    plan = (ROOT / "slides" / "course_plan.md").read_text()
+    (copy / "slides" / "course_plan.md").write_text(plan.replace("| 36 min |", "| 35 min |", 1))
+    proc = subprocess.run([sys.executable, str(copy / "scripts" / "course_plan.py"), "--check"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1 and "slides/course_plan.md differ" in proc.stderr
