@@ -13,4 +13,5 @@ for nb in "${notebooks[@]}"; do
     --ExecutePreprocessor.timeout=900 "$nb"
   echo "executed $nb in $(( $(date +%s) - start )) s"
 done
+"$VENV/bin/python" scripts/course_plan.py  # the plan's CPU column is the stored cell times
 bash scripts/check_leftovers.sh
