@@ -194,7 +194,7 @@ def test_03s_equivalence_check_trains_on_unaugmented_data_under_every_preset():
 # lone rank started by hand, a command joined from a list); they hide the GPUs now too.
 LAUNCH = re.compile(r"!.*\b(torch\.distributed\.run|torchrun|mpirun|horovodrun|deepspeed)\b.*"
                     r"(tutorial\.train_|\.py\b|\{script\})")
-HIDDEN_FOR_LAUNCHES = re.compile(r"os\.environ\.update\(processes\.launcher_env\(")
+HIDDEN_FOR_LAUNCHES = re.compile(r"os\.environ\.update\(child_processes\.launcher_env\(")
 
 
 def own_decisions(cells: list[tuple[int, str]]) -> list[str]:
@@ -230,5 +230,5 @@ def test_the_cell_rules_find_what_984c965_did():
     assert len(own_decisions([(49, '!{" ".join(command)} --resume')])) == 0  # a joined command: see the next line
     assert len(own_decisions([(42, "!OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 {script}")])) == 1
     assert own_decisions([(42, "!{alloc.script_env} python -m torch.distributed.run {script}")]) == []
-    assert own_decisions([(1, "os.environ.update(processes.launcher_env())"),
+    assert own_decisions([(1, "os.environ.update(child_processes.launcher_env())"),
                           (2, "!mpirun -np 2 python -m tutorial.train_ddp")]) == []
