@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from plan_table import plan_table
 
 ROOT = Path(__file__).resolve().parents[1]
 STEMS = sorted(p.stem for p in ROOT.glob("notebooks/*.ipynb"))
@@ -124,16 +125,9 @@ def skip_list(files: Files, stem: str) -> tuple[int, list[tuple[str, int]], str]
 
 def plan_rows(files: Files) -> list[dict]:
     """The plan table's rows: slot (core/track/setup), notebook id, the notebook column, minutes, needs."""
-    rows, slot, header = [], "", None
-    for line in files.read("slides/course_plan.md").splitlines():
-        if not line.startswith("|") or set(line) <= set("|-: "):
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if header is None:
-            header = [c.lower() for c in cells]
-            continue
-        row = dict(zip(header, cells))
-        slot = cells[0] or slot
+    rows, slot = [], ""
+    for first, row in plan_table(files.read("slides/course_plan.md")):
+        slot = first or slot
         minutes = re.search(r"(\d+) min", row.get("teaching", ""))
         ident = re.match(r"(\d\d[ab]?|appendix)\b", row.get("notebook", ""))
         rows.append({"slot": slot.strip("* ").lower(), "id": ident.group(1) if ident else None,

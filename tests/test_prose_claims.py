@@ -32,6 +32,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from plan_table import plan_table
 
 ROOT = Path(__file__).resolve().parents[1]
 REVIEWED = "984c965"
@@ -141,15 +142,8 @@ def number(word: str) -> float:
 
 def plan_times(files: Files) -> dict[str, dict[str, tuple[float, float]]]:
     """{notebook id: {"cpu": (low, high) s, "gpu": ...}} from the plan's table; a split notebook's first timed row."""
-    found, header = {}, None
-    for line in (files.read("slides/course_plan.md") or "").splitlines():
-        if not line.startswith("|") or set(line) <= set("|-: "):
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if header is None:
-            header = [c.lower() for c in cells]
-            continue
-        row = dict(zip(header, cells))
+    found = {}
+    for _, row in plan_table(files.read("slides/course_plan.md") or ""):
         ident = re.match(r"(\d\d[ab]?|appendix)\b", row.get("notebook", ""))
         if not ident:
             continue
