@@ -22,8 +22,9 @@ NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_
 # a CPU (workshop-cpu), every assert holding, outputs not compared (they differ from the stored smoke outputs by
 # design). notebook.allocation takes its no-GPU branch here; make gpu-check runs the one-GPU and full-node branches.
 # Left out because on a CPU the preset changes nothing they run (tests/test_design.py checks it), so the lane would
-# repeat strict nbval: 06 trains `smoke` in every rehearsal, 11 trains its own GPT, the appendix prints files.
-PRESET_FREE_NOTEBOOKS = notebooks/06_multi_node.ipynb notebooks/11_model_parallelism.ipynb
+# repeat strict nbval: 00 reads the preset only to print it and to size its engines, 06 trains `smoke` in every
+# rehearsal, 11 trains its own GPT, the appendix prints files.
+PRESET_FREE_NOTEBOOKS = notebooks/00_setup.ipynb notebooks/06_multi_node.ipynb notebooks/11_model_parallelism.ipynb
 LANE_NOTEBOOKS ?= $(filter-out $(PRESET_FREE_NOTEBOOKS),$(wildcard notebooks/[0-9][0-9]*_*.ipynb))
 WORKSHOP_LANE = TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax $(LANE_NOTEBOOKS) \
 	--nbval-cell-timeout $(NBVAL_TIMEOUT)

@@ -57,7 +57,7 @@ def test_warmup_reaches_the_scaled_peak():
 def test_diff_shows_a_whole_trainer_or_one_function(capsys):
     notebook.diff("train_single", "train_ddp")
     whole = capsys.readouterr().out
-    assert whole.startswith("--- train_single.py\n+++ train_ddp.py\n") and "+from torch.nn.parallel import" in whole
+    assert whole.startswith("--- train_single.py\n+++ train_ddp.py\n") and "+import torch.distributed as dist" in whole
     notebook.diff("train_single", "train_ddp", "evaluate")
     one = capsys.readouterr().out.splitlines()
     assert one[:2] == ["--- train_single.evaluate", "+++ train_ddp.evaluate"]

@@ -293,14 +293,16 @@ AUGMENTED_SAMPLE = """
 import hashlib, pathlib, sys, torch
 from tutorial import train_ddp
 from tutorial.core.config import TrainConfig
+from tutorial.core.distributed import init_process_group, world_from_env
 from tutorial.core.models import checksum
 cfg = TrainConfig.preset("workshop-cpu", workers=0, precision="fp32", channels_last=False, model="cnn_bn")
-device, precision, world, created = train_ddp.setup(cfg)
-model, optimizer, train_loader, test_loader, lr = train_ddp.build(cfg, device, world)
+device, precision = train_ddp.setup(cfg)
+created = init_process_group(world_from_env(), device)
+model, optimizer, train_loader, test_loader, lr = train_ddp.build(cfg, device)
 image, label = train_loader.dataset[0]  # sample 0 through CIFAR-10's random crop and flip, on both ranks
 sample = hashlib.sha256(image.numpy().tobytes()).hexdigest()[:12]
 worker_seed = torch.empty((), dtype=torch.int64).random_().item()  # what a DataLoader draws for its workers
-pathlib.Path(sys.argv[1], f"rank{world.rank}").write_text(f"{checksum(model)} {sample} {worker_seed}")
+pathlib.Path(sys.argv[1], f"rank{torch.distributed.get_rank()}").write_text(f"{checksum(model)} {sample} {worker_seed}")
 train_ddp.teardown(created)
 """
 

@@ -5,6 +5,8 @@ batch B compute exactly the gradient of one process with batch 2B.
 """
 from __future__ import annotations
 
+import re
+import threading
 
 import pytest
 import torch
@@ -118,6 +120,33 @@ def test_tensorboard_event_files_hold_the_scalars(tmp_path):
             "epoch/samples_per_second"} <= tags
     assert len(acc.Scalars("epoch/test_accuracy")) == 2
     assert acc.Scalars("epoch/test_accuracy")[-1].value >= 0.9
+
+
+def test_a_failed_run_stops_its_tensorboard_writer(tmp_path, monkeypatch):
+    """A notebook engine runs trainer after trainer: a run that fails (here the loss diverges after a few steps)
+    must not leave its TensorBoard writer's thread behind, one more per failed run, and the steps it logged are on
+    disk. The control undoes main's close on the error path: the thread outlives the run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tutorial.core import tracking
+    cfg = TrainConfig.preset("smoke", lr=100, warmup_epochs=0, log_every=1, quiet=True, out=str(tmp_path / "closed"))
+    threads = threading.active_count()
+    with pytest.raises(FloatingPointError, match=r"the training loss is nan at step") as failed:
+        train_single.main(cfg)
+    assert threading.active_count() == threads
+    acc = EventAccumulator(str(tmp_path / "closed" / "tb"))
+    acc.Reload()
+    diverged_at = int(re.search(r"at step (\d+)", str(failed.value))[1])
+    assert diverged_at > 2 and len(acc.Scalars("train/loss")) == diverged_at - 1  # every step before it
+
+    kept, close = [], tracking.RunLog.close
+    monkeypatch.setattr(tracking.RunLog, "close", lambda log: kept.append(log))
+    with pytest.raises(FloatingPointError):
+        train_single.main(cfg.replace(out=str(tmp_path / "unclosed")))
+    try:
+        assert threading.active_count() == threads + 1
+    finally:
+        close(kept[0])
+    assert threading.active_count() == threads
 
 
 def test_bf16_trains_on_cpu(tmp_path):

@@ -1,6 +1,7 @@
 """Stage 3: DistributedDataParallel, one process per GPU (notebooks 03a_ddp_by_hand and 03b_ddp_trainer).
 
-train_single.py plus the blocks tagged "# DDP:". Run it with torchrun, mpirun, srun or a notebook's engines (03b):
+A stage's trainer is its parent's plus blocks tagged with the stage's name: diff the two files to read the stage.
+Run it with:
 
     torchrun --standalone --nproc_per_node 2 -m tutorial.train_ddp --preset smoke --out runs/ddp
 """
@@ -11,14 +12,12 @@ import time
 import torch
 import torch.distributed as dist  # DDP: the collectives
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP  # DDP: the wrapper
 from torch.utils.data.distributed import DistributedSampler  # DDP: each rank its share of the data
 
 from .core import checkpoint, tracking
 from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader, shard  # DDP: shard
-from .core.distributed import (init_process_group, pick_device, replica_checksums,  # DDP: the process group's helpers
-                               teardown, world_from_env)
+from .core.distributed import init_process_group, pick_device, replica_checksums, teardown, world_from_env  # DDP
 from .core.loop import Loop
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model
@@ -26,26 +25,27 @@ from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weig
 from .core.precision import Precision
 from .core.process import run_main
 
+STAGE = "ddp"  # DDP: its options (--sync-bn needs GPUs; --zero-stage, --fp16-allreduce are refused)
+
 
 def setup(cfg: TrainConfig):
     """The device, the precision policy and the seed; bad options fail here, before any work."""
     world = world_from_env()  # DDP: rank, local rank, world size from torchrun, MPI, Slurm or the engines
     device = pick_device(world.local_rank, world.local_world_size)  # DDP: one GPU per process, by local rank
     precision = Precision(cfg.precision, device)
-    cfg.check_stage("ddp", device)  # DDP: --sync-bn needs GPUs; --zero-stage, --fp16-allreduce are refused
+    cfg.check_stage(STAGE, device)  # an option only other trainers read is refused, not ignored
     tracking.prepare_output(cfg)
-    created = init_process_group(world, device, cfg.timeout, cfg.backend)  # DDP: nccl on GPUs, gloo on CPUs
     torch.manual_seed(cfg.seed)
-    return device, precision, world, created  # DDP: who we are, and whether we made the group
+    return device, precision
 
 
-def build(cfg: TrainConfig, device: torch.device, world):  # DDP: needs rank and world size
+def build(cfg: TrainConfig, device: torch.device):
     """Data, model and optimizer: (model, optimizer, train_loader, test_loader, peak_lr)."""
     train_set, test_set, info = build_datasets(cfg)
     # A seeded shuffle, re-seeded every epoch: runs are reproducible and a resumed run sees the same order.
-    sampler = DistributedSampler(train_set, world.world_size, world.rank, seed=cfg.seed)  # DDP: 1/world_size each
+    sampler = DistributedSampler(train_set, seed=cfg.seed)  # DDP: each rank 1/world_size, rank and size from the group
     train_loader = make_loader(train_set, cfg, device, sampler=sampler)
-    test_loader = make_loader(shard(test_set, world.rank, world.world_size), cfg, device)  # DDP: exact shards
+    test_loader = make_loader(shard(test_set, dist.get_rank(), dist.get_world_size()), cfg, device)  # DDP: exact
     model = build_model(cfg.model, info).to(device)
     if cfg.sync_bn:  # DDP: BatchNorm statistics over the global batch, not each rank's slice
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -53,10 +53,9 @@ def build(cfg: TrainConfig, device: torch.device, world):  # DDP: needs rank and
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
         model = torch.compile(model)
-    # DDP: wrap after compiling (torch.compile(DDP(model)) compiles nothing, torch 2.14); it broadcasts rank 0's weights
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # DDP: backward all-reduces
-    lr = scaled_lr(cfg, world.world_size)  # DDP: a world_size times larger global batch, a larger lr
-    torch.manual_seed(cfg.seed + world.rank)  # DDP: each rank its own random crops and flips
+    model = torch.nn.parallel.DistributedDataParallel(model)  # DDP: rank 0's weights to all; backward all-reduces
+    lr = scaled_lr(cfg, dist.get_world_size())  # DDP: a world_size times larger global batch, a larger lr
+    torch.manual_seed(cfg.seed + dist.get_rank())  # DDP: each rank its own random crops and flips
     optimizer = build_optimizer(model, cfg, lr)
     return model, optimizer, train_loader, test_loader, lr
 
@@ -115,7 +114,7 @@ def evaluate(loop: Loop, model, loader):
     return loss_sum / count, correct / count, correct5 / count
 
 
-def fit(loop: Loop, train_loader, test_loader, world) -> dict:  # DDP: world, for rank 0's saves
+def fit(loop: Loop, train_loader, test_loader) -> dict:
     """The epochs: train, evaluate, log, save; stop after cfg.epochs, max_steps, the target accuracy or patience."""
     cfg, model, log, state = loop.cfg, loop.model, loop.log, loop.state
     log.metrics["epochs"] = state.history
@@ -130,7 +129,7 @@ def fit(loop: Loop, train_loader, test_loader, world) -> dict:  # DDP: world, fo
                       state.step)
             log.metrics["test_top5_accuracy"] = test_top5  # the label among the 5 highest scores
             state.epoch = epoch + 1
-        if world.is_main_process:  # DDP: one writer; the replicas are identical anyway
+        if dist.get_rank() == 0:  # DDP: one writer; the replicas are identical anyway
             checkpoint.save(cfg, model, loop.optimizer, loop.precision.scaler, state)
         if state.stopping:  # a SIGTERM, agreed on by every rank: saved above (mid-epoch or at its end), exit 143
             raise checkpoint.stop_exception(state, cfg.out)
@@ -150,16 +149,17 @@ def main(cfg: TrainConfig, build=build) -> dict:
     """Train cfg; returns the run's metrics (also in cfg.out/metrics.json). main sets up, builds and hands the
     loop to fit. build is a hook for lessons: a function with build's arguments and results (usually build itself,
     then a change to the model it returned), so a lesson trains a model it changed exactly as this trainer trains."""
-    device, precision, world, created = setup(cfg)  # DDP: who we are, and whether we made the group
-    try:  # DDP: leave the process group on every exit path, errors included; rank 0 prints and writes
-        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, world)
-        log = tracking.RunLog(cfg, "ddp", device, world.rank, world.world_size)
+    device, precision = setup(cfg)
+    created = init_process_group(world_from_env(), device, cfg.timeout, cfg.backend)  # DDP: join the other ranks
+    log = tracking.RunLog(cfg, STAGE, device, dist.get_rank(), dist.get_world_size())  # DDP: rank 0 prints, writes
+    try:
+        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
         state = checkpoint.resume(cfg, model, optimizer, precision.scaler, device)
-        loop = Loop(cfg, model, optimizer, precision, device, peak_lr, log, state)
-        return fit(loop, train_loader, test_loader, world)
+        return fit(Loop(cfg, model, optimizer, precision, device, peak_lr, log, state), train_loader, test_loader)
     finally:
-        teardown(created)
+        log.close()  # on every exit path: a failed run leaves no TensorBoard writer behind in an engine
+        teardown(created)  # DDP: leave the process group if we made it (not a %%px cell's), on every exit path
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with DDP, one process per GPU.", stage="ddp"))  # DDP: its --help and options
+    run_main(main, parse_args(__doc__, stage=STAGE))

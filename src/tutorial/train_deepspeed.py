@@ -18,9 +18,8 @@ from torch.utils.data.distributed import DistributedSampler  # DDP: each rank it
 from .core import checkpoint, sharded_checkpoint, tracking  # DeepSpeed: every rank writes its partitions
 from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader  # DeepSpeed: no shard(): every rank evaluates every batch
-from .core.deepspeed_compat import import_deepspeed, prepare, quiet_deepspeed  # DeepSpeed: import, warnings, state
-from .core.distributed import (init_process_group, pick_device, replica_checksums,  # DDP: the process group's helpers
-                               teardown, world_from_env)
+from .core.deepspeed_compat import import_deepspeed, join_group, quiet_deepspeed  # DeepSpeed: import, group, warnings
+from .core.distributed import init_process_group, pick_device, replica_checksums, teardown, world_from_env  # DDP
 from .core.loop import Loop
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model
@@ -28,6 +27,7 @@ from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weig
 from .core.precision import Precision
 from .core.process import run_main
 
+STAGE = "deepspeed"  # DeepSpeed: its options (--sync-bn is refused here)
 deepspeed = import_deepspeed()  # DeepSpeed: with its accelerator named (it picks one when imported)
 
 
@@ -36,28 +36,24 @@ def setup(cfg: TrainConfig):
     world = world_from_env()  # DDP: rank, local rank, world size from torchrun, MPI, Slurm or the engines
     device = pick_device(world.local_rank, world.local_world_size)  # DDP: one GPU per process, by local rank
     precision = Precision(cfg.precision, device)
-    cfg.check_stage("deepspeed", device)  # DeepSpeed: --sync-bn is refused here
+    cfg.check_stage(STAGE, device)  # an option only other trainers read is refused, not ignored
     tracking.prepare_output(cfg)
-    created = init_process_group(world, device, cfg.timeout, cfg.backend)  # DDP: nccl on GPUs, gloo on CPUs
-    # DeepSpeed: joins our group (not its MPI discovery); reads LOCAL_RANK; prepare: see core.deepspeed_compat.
-    os.environ["LOCAL_RANK"] = str(world.local_rank)
-    prepare(device, created)
-    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    os.environ["LOCAL_RANK"] = str(world.local_rank)  # DeepSpeed: reads it
     torch.manual_seed(cfg.seed)
-    return device, precision, world, created  # DDP: who we are, and whether we made the group
+    return device, precision
 
 
-def build(cfg: TrainConfig, device: torch.device, world):  # DDP: needs rank and world size
+def build(cfg: TrainConfig, device: torch.device):
     """Data, model and optimizer: (model, optimizer, train_loader, test_loader, peak_lr)."""
     train_set, test_set, info = build_datasets(cfg)
     # A seeded shuffle, re-seeded every epoch: runs are reproducible and a resumed run sees the same order.
-    sampler = DistributedSampler(train_set, world.world_size, world.rank, seed=cfg.seed)  # DDP: 1/world_size each
+    sampler = DistributedSampler(train_set, seed=cfg.seed)  # DDP: each rank 1/world_size, rank and size from the group
     train_loader = make_loader(train_set, cfg, device, sampler=sampler)
     # DeepSpeed: every rank evaluates the whole test set: ZeRO-3's forward all-gathers, so all run as many batches.
     test_loader = make_loader(test_set, cfg, device)
     model = build_model(cfg.model, info).to(device)
     # DeepSpeed: --channels-last converts the inputs only (it flattens parameters, which must be contiguous).
-    lr = scaled_lr(cfg, world.world_size)  # DDP: a world_size times larger global batch, a larger lr
+    lr = scaled_lr(cfg, dist.get_world_size())  # DDP: a world_size times larger global batch, a larger lr
     optimizer = build_optimizer(model, cfg, lr)
     # DeepSpeed: the engine does what the other trainers spell out, configured from the same cfg. fp16 is its
     # loss-scaled mode; bf16 is autocast (below), as in every trainer: its "bf16" mode keeps bf16 weights beside fp32
@@ -70,7 +66,7 @@ def build(cfg: TrainConfig, device: torch.device, world):  # DDP: needs rank and
         model, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if cfg.compile:  # DeepSpeed: the engine compiles the module it wraps
         model.compile()
-    torch.manual_seed(cfg.seed + world.rank)  # DeepSpeed: each rank its own random crops and flips
+    torch.manual_seed(cfg.seed + dist.get_rank())  # DeepSpeed: each rank its own random crops and flips
     return model, optimizer, train_loader, test_loader, lr
 
 
@@ -128,7 +124,7 @@ def evaluate(loop: Loop, model, loader):
     return loss_sum / count, correct / count, correct5 / count
 
 
-def fit(loop: Loop, train_loader, test_loader) -> dict:  # DeepSpeed: every rank saves
+def fit(loop: Loop, train_loader, test_loader) -> dict:
     """The epochs: train, evaluate, log, save; stop after cfg.epochs, max_steps, the target accuracy or patience."""
     cfg, model, log, state = loop.cfg, loop.model, loop.log, loop.state
     log.metrics["epochs"] = state.history
@@ -163,17 +159,20 @@ def main(cfg: TrainConfig, build=build) -> dict:
     """Train cfg; returns the run's metrics (also in cfg.out/metrics.json). main sets up, builds and hands the
     loop to fit. build is a hook for lessons: a function with build's arguments and results (usually build itself,
     then a change to the model it returned), so a lesson trains a model it changed exactly as this trainer trains."""
-    device, precision, world, created = setup(cfg)  # DDP: who we are, and whether we made the group
-    try:  # DDP: leave the process group on every exit path, errors included; rank 0 prints and writes
+    device, precision = setup(cfg)
+    created = init_process_group(world_from_env(), device, cfg.timeout, cfg.backend)  # DDP: join the other ranks
+    log = tracking.RunLog(cfg, f"{STAGE}-zero{cfg.zero_stage}", device,  # DeepSpeed: the ZeRO stage in its name
+                          dist.get_rank(), dist.get_world_size())
+    try:
+        join_group(device, created)  # DeepSpeed: it uses our group, not one of its own (see core.deepspeed_compat)
         with quiet_deepspeed():  # DeepSpeed: its warnings that do not apply, hidden while it runs
-            model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, world)
-            log = tracking.RunLog(cfg, f"deepspeed-zero{cfg.zero_stage}", device, world.rank, world.world_size)
+            model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
             state = sharded_checkpoint.resume_deepspeed(cfg, model)  # weights, partitions, loss scale
-            loop = Loop(cfg, model, optimizer, precision, device, peak_lr, log, state)
-            return fit(loop, train_loader, test_loader)
+            return fit(Loop(cfg, model, optimizer, precision, device, peak_lr, log, state), train_loader, test_loader)
     finally:
-        teardown(created)
+        log.close()  # on every exit path: a failed run leaves no TensorBoard writer behind in an engine
+        teardown(created)  # DDP: leave the process group if we made it (not a %%px cell's), on every exit path
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with DeepSpeed ZeRO (sharded state).", stage="deepspeed"))  # DeepSpeed: options
+    run_main(main, parse_args(__doc__, stage=STAGE))

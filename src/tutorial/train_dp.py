@@ -27,12 +27,14 @@ from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weig
 from .core.precision import Precision
 from .core.process import run_main
 
+STAGE = "dp"  # DP: its options (--compile, --sync-bn, --backend, --timeout are refused here)
+
 
 def setup(cfg: TrainConfig):
     """The device, the precision policy and the seed; bad options fail here, before any work."""
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     precision = Precision(cfg.precision, device)
-    cfg.check_stage("dp", device)  # DP: --compile, --sync-bn, --backend, --timeout are refused here
+    cfg.check_stage(STAGE, device)  # an option only other trainers read is refused, not ignored
     tracking.prepare_output(cfg)
     torch.manual_seed(cfg.seed)
     return device, precision
@@ -141,13 +143,16 @@ def main(cfg: TrainConfig, build=build) -> dict:
     loop to fit. build is a hook for lessons: a function with build's arguments and results (usually build itself,
     then a change to the model it returned), so a lesson trains a model it changed exactly as this trainer trains."""
     device, precision = setup(cfg)
-    model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
-    log = tracking.RunLog(cfg, "dp", device, gpus=torch.cuda.device_count())  # DP: replicas that share a batch
-    log.print(f"DataParallel over {torch.cuda.device_count()} GPU(s)" if device.type == "cuda" else  # DP: the GPUs it uses
-              "DataParallel: no GPU here, so the model runs unreplicated on the CPU")
-    state = checkpoint.resume(cfg, model, optimizer, precision.scaler, device)
-    return fit(Loop(cfg, model, optimizer, precision, device, peak_lr, log, state), train_loader, test_loader)
+    log = tracking.RunLog(cfg, STAGE, device, gpus=torch.cuda.device_count())  # DP: replicas that share a batch
+    log.print(f"DataParallel over {torch.cuda.device_count()} GPU(s)" if device.type == "cuda"  # DP: the GPUs it uses
+              else "DataParallel: no GPU here, so the model runs unreplicated on the CPU")
+    try:
+        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
+        state = checkpoint.resume(cfg, model, optimizer, precision.scaler, device)
+        return fit(Loop(cfg, model, optimizer, precision, device, peak_lr, log, state), train_loader, test_loader)
+    finally:
+        log.close()  # on every exit path: a failed run leaves no TensorBoard writer behind in an engine
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with nn.DataParallel over the GPUs of one node.", stage="dp"))  # DP: options
+    run_main(main, parse_args(__doc__, stage=STAGE))

@@ -20,8 +20,7 @@ from torch.utils.data.distributed import DistributedSampler  # DDP: each rank it
 from .core import checkpoint, sharded_checkpoint, tracking  # FSDP: every rank writes its shards
 from .core.config import TrainConfig, parse_args
 from .core.data import build_datasets, make_loader  # FSDP: no shard(): every rank evaluates every test batch
-from .core.distributed import (init_process_group, pick_device, replica_checksums,  # DDP: the process group's helpers
-                               teardown, world_from_env)
+from .core.distributed import init_process_group, pick_device, replica_checksums, teardown, world_from_env  # DDP
 from .core.loop import Loop
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import batch_norms, blocks, build_model  # FSDP: the units to shard
@@ -29,24 +28,25 @@ from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weig
 from .core.precision import Precision
 from .core.process import run_main
 
+STAGE = "fsdp"  # FSDP: its options (--sync-bn is refused here)
+
 
 def setup(cfg: TrainConfig):
     """The device, the precision policy and the seed; bad options fail here, before any work."""
     world = world_from_env()  # DDP: rank, local rank, world size from torchrun, MPI, Slurm or the engines
     device = pick_device(world.local_rank, world.local_world_size)  # DDP: one GPU per process, by local rank
     precision = Precision(cfg.precision, device)
-    cfg.check_stage("fsdp", device)  # FSDP: --sync-bn is refused here
+    cfg.check_stage(STAGE, device)  # an option only other trainers read is refused, not ignored
     tracking.prepare_output(cfg)
-    created = init_process_group(world, device, cfg.timeout, cfg.backend)  # DDP: nccl on GPUs, gloo on CPUs
     torch.manual_seed(cfg.seed)
-    return device, precision, world, created  # DDP: who we are, and whether we made the group
+    return device, precision
 
 
-def build(cfg: TrainConfig, device: torch.device, world, precision):  # FSDP: and the precision, for its policy
+def build(cfg: TrainConfig, device: torch.device, precision):  # FSDP: and the precision, for its policy
     """Data, model and optimizer: (model, optimizer, train_loader, test_loader, peak_lr)."""
     train_set, test_set, info = build_datasets(cfg)
     # A seeded shuffle, re-seeded every epoch: runs are reproducible and a resumed run sees the same order.
-    sampler = DistributedSampler(train_set, world.world_size, world.rank, seed=cfg.seed)  # DDP: 1/world_size each
+    sampler = DistributedSampler(train_set, seed=cfg.seed)  # DDP: each rank 1/world_size, rank and size from the group
     train_loader = make_loader(train_set, cfg, device, sampler=sampler)
     # FSDP: every rank evaluates the whole test set: each forward all-gathers, so all must run as many batches.
     test_loader = make_loader(test_set, cfg, device)
@@ -67,8 +67,8 @@ def build(cfg: TrainConfig, device: torch.device, world, precision):  # FSDP: an
             block.forward = torch.compile(block.forward)
         fully_shard(block, mp_policy=policy)  # FSDP: its parameters become DTensors, 1/world_size per rank
     fully_shard(model, mp_policy=MixedPrecisionPolicy(precision.dtype, torch.float32, output_dtype=torch.float32))
-    lr = scaled_lr(cfg, world.world_size)  # DDP: a world_size times larger global batch, a larger lr
-    torch.manual_seed(cfg.seed + world.rank)  # DDP: each rank its own random crops and flips
+    lr = scaled_lr(cfg, dist.get_world_size())  # DDP: a world_size times larger global batch, a larger lr
+    torch.manual_seed(cfg.seed + dist.get_rank())  # DDP: each rank its own random crops and flips
     optimizer = build_optimizer(model, cfg, lr)  # FSDP: after sharding, so its state is sharded too
     return model, optimizer, train_loader, test_loader, lr
 
@@ -125,7 +125,7 @@ def evaluate(loop: Loop, model, loader):
     return loss_sum / count, correct / count, correct5 / count
 
 
-def fit(loop: Loop, train_loader, test_loader) -> dict:  # FSDP: every rank saves
+def fit(loop: Loop, train_loader, test_loader) -> dict:
     """The epochs: train, evaluate, log, save; stop after cfg.epochs, max_steps, the target accuracy or patience."""
     cfg, model, log, state = loop.cfg, loop.model, loop.log, loop.state
     log.metrics["epochs"] = state.history
@@ -159,16 +159,17 @@ def main(cfg: TrainConfig, build=build) -> dict:
     """Train cfg; returns the run's metrics (also in cfg.out/metrics.json). main sets up, builds and hands the
     loop to fit. build is a hook for lessons: a function with build's arguments and results (usually build itself,
     then a change to the model it returned), so a lesson trains a model it changed exactly as this trainer trains."""
-    device, precision, world, created = setup(cfg)  # DDP: who we are, and whether we made the group
-    try:  # DDP: leave the process group on every exit path, errors included; rank 0 prints and writes
-        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, world, precision)  # FSDP: policy
-        log = tracking.RunLog(cfg, "fsdp", device, world.rank, world.world_size)  # FSDP: its name in the metrics
+    device, precision = setup(cfg)
+    created = init_process_group(world_from_env(), device, cfg.timeout, cfg.backend)  # DDP: join the other ranks
+    log = tracking.RunLog(cfg, STAGE, device, dist.get_rank(), dist.get_world_size())  # DDP: rank 0 prints, writes
+    try:
+        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, precision)  # FSDP: its policy
         state = sharded_checkpoint.resume_dcp(cfg, model, optimizer)  # FSDP: each rank reads the slices it holds
-        loop = Loop(cfg, model, optimizer, precision, device, peak_lr, log, state)
-        return fit(loop, train_loader, test_loader)  # FSDP: no world: every rank saves
+        return fit(Loop(cfg, model, optimizer, precision, device, peak_lr, log, state), train_loader, test_loader)
     finally:
-        teardown(created)
+        log.close()  # on every exit path: a failed run leaves no TensorBoard writer behind in an engine
+        teardown(created)  # DDP: leave the process group if we made it (not a %%px cell's), on every exit path
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with FSDP, the model sharded over the ranks.", stage="fsdp"))  # FSDP: options
+    run_main(main, parse_args(__doc__, stage=STAGE))

@@ -28,6 +28,7 @@ from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weig
 from .core.precision import Precision
 from .core.process import run_main
 
+STAGE = "horovod"  # Horovod: its options (--backend and --timeout are refused: horovodrun has its own)
 RANKS_FROM_MPI = True  # Horovod: finds its ranks through MPI; engines.run refuses engines started without it
 
 
@@ -36,7 +37,7 @@ def setup(cfg: TrainConfig):
     hvd.init()  # Horovod: step 1, start the background thread that negotiates and runs collectives
     device = pick_device(hvd.local_rank(), hvd.local_size())  # Horovod: step 2, one GPU per process by local rank
     precision = Precision(cfg.precision, device)
-    cfg.check_stage("horovod", device)  # Horovod: --backend and --timeout are refused (horovodrun has its own)
+    cfg.check_stage(STAGE, device)  # an option only other trainers read is refused, not ignored
     tracking.prepare_output(cfg)
     torch.manual_seed(cfg.seed)
     return device, precision
@@ -160,14 +161,17 @@ def main(cfg: TrainConfig, build=build) -> dict:
     loop to fit. build is a hook for lessons: a function with build's arguments and results (usually build itself,
     then a change to the model it returned), so a lesson trains a model it changed exactly as this trainer trains."""
     device, precision = setup(cfg)
-    model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
-    log = tracking.RunLog(cfg, "horovod", device, hvd.rank(), hvd.size())  # Horovod: rank 0 prints and writes
-    state = checkpoint.resume(cfg, model, optimizer, precision.scaler, device)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # Horovod: step 5, start from rank 0's weights
-    if state.step:  # Horovod: step 5, and its optimizer state (a fresh optimizer has none to send)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    return fit(Loop(cfg, model, optimizer, precision, device, peak_lr, log, state), train_loader, test_loader)
+    log = tracking.RunLog(cfg, STAGE, device, hvd.rank(), hvd.size())  # Horovod: rank 0 prints and writes
+    try:
+        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
+        state = checkpoint.resume(cfg, model, optimizer, precision.scaler, device)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # Horovod: step 5, start from rank 0's weights
+        if state.step:  # Horovod: step 5, and its optimizer state (a fresh optimizer has none to send)
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        return fit(Loop(cfg, model, optimizer, precision, device, peak_lr, log, state), train_loader, test_loader)
+    finally:
+        log.close()  # on every exit path: a failed run leaves no TensorBoard writer behind in an engine
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with Horovod, one process per GPU.", stage="horovod"))  # Horovod: options
+    run_main(main, parse_args(__doc__, stage=STAGE))

@@ -1,6 +1,7 @@
-"""Stage 1: training on one device (notebook 01_single_device).
+"""Stage 1: training on one device (notebook 01_single_device), the trainer every later stage is a diff of.
 
-The baseline that every later stage changes by a small, tagged diff. Run it with:
+A stage's trainer is its parent's plus blocks tagged with the stage's name: diff the two files to read the stage.
+Run it with:
 
     python -m tutorial.train_single --preset smoke --out runs/single
 """
@@ -23,12 +24,14 @@ from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weig
 from .core.precision import Precision
 from .core.process import run_main
 
+STAGE = "single"  # its options (parse_args), its name in the metrics
+
 
 def setup(cfg: TrainConfig):
     """The device, the precision policy and the seed; bad options fail here, before any work."""
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     precision = Precision(cfg.precision, device)
-    cfg.check_stage("single", device)  # an option only other trainers read is refused, not ignored
+    cfg.check_stage(STAGE, device)  # an option only other trainers read is refused, not ignored
     tracking.prepare_output(cfg)
     torch.manual_seed(cfg.seed)
     return device, precision
@@ -137,11 +140,14 @@ def main(cfg: TrainConfig, build=build) -> dict:
     loop to fit. build is a hook for lessons: a function with build's arguments and results (usually build itself,
     then a change to the model it returned), so a lesson trains a model it changed exactly as this trainer trains."""
     device, precision = setup(cfg)
-    model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
-    log = tracking.RunLog(cfg, "single", device)
-    state = checkpoint.resume(cfg, model, optimizer, precision.scaler, device)
-    return fit(Loop(cfg, model, optimizer, precision, device, peak_lr, log, state), train_loader, test_loader)
+    log = tracking.RunLog(cfg, STAGE, device)
+    try:
+        model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
+        state = checkpoint.resume(cfg, model, optimizer, precision.scaler, device)
+        return fit(Loop(cfg, model, optimizer, precision, device, peak_lr, log, state), train_loader, test_loader)
+    finally:
+        log.close()  # on every exit path: a failed run leaves no TensorBoard writer behind in an engine
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train on one device (CPU or one GPU).", stage="single"))
+    run_main(main, parse_args(__doc__, stage=STAGE))

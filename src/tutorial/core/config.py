@@ -200,7 +200,8 @@ def default_preset() -> str:
 def build_parser(description: str, stage: str | None = None) -> argparse.ArgumentParser:
     """Flags for every TrainConfig field (--batch-size sets batch_size); --preset picks the starting point. A flag
     that only other trainers read (ONLY_IN) is still accepted, so that giving it says why it does not apply here."""
-    parser = OneLineErrorParser(description=description)
+    # A trainer's --help shows its docstring as written: what the stage is and the command that runs it.
+    parser = OneLineErrorParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="smoke", help=f"starting point: {', '.join(PRESETS)} (default smoke)")
     for f in dataclasses.fields(TrainConfig):
         if f.name == "preset_name":

@@ -1,5 +1,5 @@
 """What train_deepspeed.py needs around DeepSpeed itself (09_sharded_training): its import, the warnings that do not
-apply, and two pieces of its private state. Infrastructure, not the lesson; kept here so the trainer has no
+apply, and joining our process group. Infrastructure, not the lesson; kept here so the trainer has no
 process-wide side effects when it is imported (a notebook kernel imports it next to every other trainer), and in
 core rather than beside the trainer because `tutorial doctor` imports DeepSpeed the same way (import_deepspeed)."""
 from __future__ import annotations
@@ -42,14 +42,16 @@ def quiet_deepspeed():
         logger.removeFilter(not_untested)
 
 
-def prepare(device: torch.device, created_group: bool) -> None:
-    """Two pieces of DeepSpeed's private state (checked against 0.19.8), each guarded so a release without it
-    still trains: on a CPU, its shared-memory all-reduce op (for CPU inference, minutes of compiling) is switched
-    off; in a process that made a new process group (notebook engines run trainer after trainer), the copy of the
-    old world group it keeps is dropped, or it would use a destroyed group."""
+def join_group(device: torch.device, created_group: bool) -> None:
+    """Make DeepSpeed use the process group this process already joined (init_process_group), not discover one of
+    its own through MPI, after fixing two pieces of its private state (checked against 0.19.8; each guarded so a
+    release without it still trains): on a CPU, its shared-memory all-reduce op (for CPU inference, minutes of
+    compiling) is switched off; in a process that made a new process group (notebook engines run trainer after
+    trainer), the copy of the old world group it keeps is dropped, or it would use a destroyed group."""
     deepspeed = importlib.import_module("deepspeed")
     if device.type == "cpu" and isinstance(getattr(deepspeed.ops, "__compatible_ops__", {}), dict):
         deepspeed.ops.__dict__.setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
     groups = deepspeed.utils.groups
     if created_group and hasattr(groups, "_WORLD_GROUP"):
         groups._WORLD_GROUP = None
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())

@@ -132,9 +132,15 @@ class RunLog:
         if self.cfg.quiet and last:  # the one line of a quiet run: what it was and where it ended
             self.print(f"{self.header}; after epoch {last['epoch']}: {_losses(last)}")
         self._write()
+        self.close()
+        return self.metrics
+
+    def close(self) -> None:
+        """Write out the TensorBoard file and stop its writer's thread. finish() does on a normal end; a trainer's
+        main also calls it when an error or a SIGTERM stop ends the run, which would otherwise leave the thread
+        running in a notebook engine, one more per failed run. Closing twice does nothing."""
         if self.writer:
             self.writer.close()
-        return self.metrics
 
     def _write(self) -> None:
         if self.is_main and self.cfg.out:

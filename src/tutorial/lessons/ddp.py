@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import train_ddp
 from ..core.config import TrainConfig
 from ..core.data import SHAPES, build_datasets
+from ..core.distributed import init_process_group, teardown, world_from_env
 from ..core.models import build_model, unwrap
 from ..core.optim import lr_at, scaled_lr
 from .ranks import first_error, first_line, on_every_rank
@@ -113,11 +114,12 @@ def compare_replicas(cfg: TrainConfig, global_bn: bool = False) -> list[dict]:
     """
     # Join the group here, so that it outlives train_ddp.main (which leaves alone a group it did not create): the
     # ranks compare their tensors after training.
-    _, _, world, created = train_ddp.setup(cfg)
+    device, _ = train_ddp.setup(cfg)
+    created = init_process_group(world_from_env(), device, cfg.timeout, cfg.backend)
     built = []
 
-    def build(cfg, device, world):  # train_ddp.main's build hook: its own build, then the lesson's BatchNorm
-        model, *rest = train_ddp.build(cfg, device, world)
+    def build(cfg, device):  # train_ddp.main's build hook: its own build, then the lesson's BatchNorm
+        model, *rest = train_ddp.build(cfg, device)
         if global_bn:
             GlobalBatchNorm2d.convert(model)
         built.append(model)
@@ -127,7 +129,7 @@ def compare_replicas(cfg: TrainConfig, global_bn: bool = False) -> list[dict]:
         train_ddp.main(cfg, build=build)
         module = unwrap(built[0])
         mine = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-        every = [None] * world.world_size
+        every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)  # every rank's tensors, on every rank
         parameters = {n for n, _ in module.named_parameters()}
         rows = []
@@ -138,7 +140,7 @@ def compare_replicas(cfg: TrainConfig, global_bn: bool = False) -> list[dict]:
                          "identical": all(torch.equal(c, copies[0]) for c in copies), "max difference": largest})
         return rows
     finally:
-        train_ddp.teardown(created)
+        teardown(created)
 
 
 # ------------------------------------------------------------------------------------------------ rank 0's files

@@ -11,10 +11,12 @@ import sys
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..core.config import TrainConfig, first_line
-from ..core.distributed import teardown
+from ..core.deepspeed_compat import join_group
+from ..core.distributed import init_process_group, teardown, world_from_env
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
@@ -65,18 +67,17 @@ def memory_per_rank(cfg: TrainConfig, strategy: str) -> dict:
     from .. import train_ddp, train_deepspeed, train_fsdp
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not one of: {', '.join(STRATEGIES)}")
-    if strategy == "ddp":
-        device, precision, world, created = train_ddp.setup(cfg)
-        model, optimizer, loader, _, _ = train_ddp.build(cfg, device, world)
-    elif strategy == "fsdp":
-        device, precision, world, created = train_fsdp.setup(cfg)
-        model, optimizer, loader, _, _ = train_fsdp.build(cfg, device, world, precision)
-    else:
-        cfg = cfg.replace(zero_stage=int(strategy[-1]))
-        device, precision, world, created = train_deepspeed.setup(cfg)
-        model, optimizer, loader, _, _ = train_deepspeed.build(cfg, device, world)
+    trainer = {"ddp": train_ddp, "fsdp": train_fsdp}.get(strategy, train_deepspeed)
     deepspeed = strategy.startswith("zero")
+    if deepspeed:
+        cfg = cfg.replace(zero_stage=int(strategy[-1]))
+    device, precision = trainer.setup(cfg)
+    created = init_process_group(world_from_env(), device, cfg.timeout, cfg.backend)  # as the trainer's main joins
     try:
+        if deepspeed:
+            join_group(device, created)
+        built = trainer.build(cfg, device, precision) if strategy == "fsdp" else trainer.build(cfg, device)
+        model, optimizer, loader, _, _ = built
         X, y = (t.to(device) for t in next(iter(loader)))
         for step in range(2):
             loss = F.cross_entropy(model(X), y)
@@ -86,7 +87,8 @@ def memory_per_rank(cfg: TrainConfig, strategy: str) -> dict:
         module = model.module if hasattr(model, "module") else model
         held = held_bytes(module, optimizer)
         full = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.parameters())
-        return dict(strategy=strategy, rank=world.rank, world_size=world.world_size, parameter_count=full, **held)
+        return dict(strategy=strategy, rank=dist.get_rank(), world_size=dist.get_world_size(), parameter_count=full,
+                    **held)
     finally:
         teardown(created)
 
@@ -186,7 +188,6 @@ def check_fully_shard(shard_fn) -> dict:
     """Exercise 2, on every engine: shard a small MLP with shard_fn(model), then check that every parameter is a
     DTensor holding 1/world_size of the tensor, that the root is sharded, and that the output equals the unsharded
     model's. Rank 0 prints what is wrong."""
-    import torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
