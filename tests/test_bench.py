@@ -209,7 +209,7 @@ def test_bare_loop_bad_input_is_one_line_and_exit_2(args, says, capsys, monkeypa
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA GPUs")),
     (["allreduce", "--nproc", "999"], "--nproc 999 is more than the"),
     (["scaling", "--max-nproc", str(os.cpu_count() + 1)], "--max-nproc"),
-    (["nonsense"], "invalid choice: 'nonsense'"),
+    (["nonsense"], "command 'nonsense' is not one of: train, allreduce, scaling"),
     ([], "required"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, says, capsys):

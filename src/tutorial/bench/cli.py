@@ -1,20 +1,16 @@
 """`tutorial bench train | allreduce | scaling`: argparse sub-commands that share their flags through parent parsers.
-Every value is checked by its `type=` function, so a bad one is one line that names it and what is allowed (exit 2)."""
+Every value is checked by its `type=` function, so a bad one is one line that names it and what is allowed (exit 2,
+through the package's OneLineErrorParser, as every command line of the workbook)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ..core.config import DATASETS, MODELS, PRECISIONS, PRESETS, ConfigError
-from .runs import BenchError, RunFailed, available_processes
+from ..core.config import DATASETS, MODELS, PRECISIONS, PRESETS, ConfigError, OneLineErrorParser
+from .runs import RunFailed, available_processes
 from .studies import allreduce, scaling, train
 
 STRATEGIES = ("single", "dp", "ddp", "horovod")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise BenchError(f"{message} (see {self.prog} --help)")
 
 
 def _int(low: int):
@@ -97,7 +93,7 @@ def _run_flags(threads: int) -> argparse.ArgumentParser:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = _Parser(prog="tutorial bench", description="Benchmarks of notebook 07_scaling_study; every result is "
+    top = OneLineErrorParser(prog="tutorial bench", description="Benchmarks of notebook 07_scaling_study; every result is "
                   "appended to <results-dir>/<kind>.jsonl with the hardware, versions, command and date.")
     commands = top.add_subparsers(dest="command", required=True)
     cmd = commands.add_parser("train", parents=[_run_flags(threads=0)], help="throughput of the trainers over a grid",
