@@ -1,6 +1,7 @@
 """Shared helpers: launch trainers the way people do (python -m, torchrun, mpirun, horovodrun) and read results."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,6 +26,21 @@ def env(**extra) -> dict:
     e = open_mpi_env(dict(os.environ, PYTHONUNBUFFERED="1"))
     e.pop("MASTER_ADDR", None), e.pop("MASTER_PORT", None)
     return {**e, **extra}
+
+
+@contextlib.contextmanager
+def agent_store():
+    """A rendezvous this test process hosts for the ranks it spawns, as torchrun's agent hosts one for its workers: a
+    store on a port the system picks, held until the ranks are done, which every rank joins as a client
+    (TORCHELASTIC_USE_AGENT_STORE; each group of a run under its own TORCHELASTIC_RESTART_COUNT, as torch keeps
+    restarts apart). Yields the variables to give the ranks. No port is chosen free and bound later (issue 38)."""
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
+                   TORCHELASTIC_RESTART_COUNT="0")
+    finally:
+        del store
 
 
 def run(cmd, timeout=180, check=True) -> subprocess.CompletedProcess:

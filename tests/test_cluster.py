@@ -486,6 +486,42 @@ def test_interrupt_stops_the_engines_run_at_a_step_and_the_next_cell_runs_at_onc
     assert_nothing_left(tag, wait=20)
 
 
+def test_interrupt_frees_engines_stuck_in_a_rendezvous_and_names_the_stuck_rank(tmp_path):
+    """The mistake every attendee makes once: a %%px cell in which rank 0 raises before the rendezvous while rank 1
+    calls init_process_group and waits for it, in C++, where SIGINT does not reach (gloo's default wait: 30 min).
+    Before (issue 38), Interrupt left rank 1's engine busy: the next cell queued behind it for over 120 s, and the
+    reaper needed minutes after the kernel went. Now, within 30 s of Interrupt, one line names rank 1 and the
+    address it waits on, the engines are restarted, and the next cell runs on them. Rank 0's own error is shown too."""
+    tag = child_processes.new_tag()
+    kernel = Kernel(tag, tmp_path)
+    try:
+        kernel.run("import time\nimport tutorial.launch.engines as engines\ncluster = engines.start(n=2, show=False)\n"
+                   "port = cluster.new_master_port()\nbefore = [e.pid for e in cluster.engines]")
+        stuck = kernel.send("%%px\nimport os\nimport torch.distributed as dist\n"
+                            "if os.environ['RANK'] == '0':\n    raise ValueError('rank 0 has a bad value')\n"
+                            "dist.init_process_group('gloo')")
+        time.sleep(5)  # rank 0 has failed; rank 1 waits in the rendezvous
+        interrupted = time.monotonic()
+        kernel.km.interrupt_kernel()
+        text, reply = kernel.outputs(stuck, timeout=60)
+        freed = time.monotonic() - interrupted
+        port = kernel.run("print(port)").strip()
+        assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", text
+        line = reply["evalue"]
+        assert "\n" not in line and "rank 1 (engine" in line and "rank 0 (" not in line, line
+        assert f"in the rendezvous at 127.0.0.1:{port}" in line and "engines were restarted" in line, line
+        assert "rank 0 raised ValueError: rank 0 has a bad value" in line and "[rank 0] " in text, text  # its error too
+        started = time.monotonic()
+        after = kernel.run("%px import os; os.getpid()\nprint('NEXT', [e.pid for e in cluster.engines] != before)")
+        print(f"interrupt -> freed after {freed:.1f} s; next cell {time.monotonic() - started:.1f} s")
+        assert freed < 30 and "NEXT True" in after and time.monotonic() - started < 10, after
+        kernel.run("cluster.stop()")
+        assert_nothing_left(tag)
+    finally:
+        kernel.close()
+    assert_nothing_left(tag, wait=20)
+
+
 def test_starting_engines_twice_reuses_or_replaces_and_a_restart_leaves_nothing(tmp_path):
     """Re-running the engines cell: the same request reuses the running cluster, another stops it first (one line
     each; before, every run added a controller and engines: 10 processes, then 20). A cluster asked for by name runs

@@ -9,11 +9,13 @@ import torch
 import torch.multiprocessing as mp
 
 from tutorial import train_single
+from conftest import agent_store
+
 from tutorial.core.config import TrainConfig
 from tutorial.core.data import SHAPES
 from tutorial.core.models import build_model, checksum
 from tutorial.core.optim import lr_at, scaled_lr
-from tutorial.core.process import free_port
+from tutorial.core.distributed import hold_port
 from tutorial.lessons import data_parallel, ddp, horovod as lessons_horovod, mixed_precision, notebook
 
 
@@ -76,13 +78,12 @@ def test_global_batchnorm_keeps_the_tensors_ddp_and_the_optimizer_hold():
     assert torch.allclose(model(X), expected, atol=1e-6)  # in one process it is BatchNorm2d
 
 
-def _compare_replicas_on_rank(rank: int, ports: list[int], out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1")
+def _compare_replicas_on_rank(rank: int, rendezvous: dict, out: str) -> None:
+    os.environ.update(rendezvous, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     cfg = TrainConfig.preset("smoke", model="cnn_bn", epochs=1, max_steps=3)
     rows = {}
-    for global_bn, port in zip((False, True), ports):  # a fresh group each time, as on the engines
-        os.environ["MASTER_PORT"] = str(port)
+    for attempt, global_bn in enumerate((False, True)):  # a fresh group each time, as on the engines
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
         rows[str(global_bn)] = ddp.compare_replicas(cfg, global_bn=global_bn)
     if rank == 0:
         with open(out, "w") as f:
@@ -91,7 +92,8 @@ def _compare_replicas_on_rank(rank: int, ports: list[int], out: str) -> None:
 
 def test_compare_replicas_runs_the_trainer_and_finds_the_batchnorm_buffers(tmp_path):
     out = str(tmp_path / "rows.json")
-    mp.spawn(_compare_replicas_on_rank, args=([free_port(), free_port()], out), nprocs=2)
+    with agent_store() as rendezvous:
+        mp.spawn(_compare_replicas_on_rank, args=(rendezvous, out), nprocs=2)
     results = json.loads(open(out).read())
     for global_bn, buffers_differ in (("False", ["1.running_mean", "1.running_var", "4.running_mean", "4.running_var"]),
                                       ("True", [])):  # each rank's own batch statistics, or the global batch's
@@ -124,7 +126,7 @@ def test_an_error_is_quoted_as_its_first_line_without_gloo_source_prefix():
 
 def test_on_every_rank_turns_the_learners_error_into_text_and_leaves_no_group():
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(hold_port()), RANK="0", WORLD_SIZE="1")
     try:
         from tutorial.lessons.ranks import on_every_rank
         assert on_every_rank(lambda a, r, n: (a, r, n), "x", inputs=lambda rank, size: (rank, size)) == \

@@ -17,21 +17,19 @@ import os
 
 import pytest
 import torch
-from conftest import run, torchrun_cmd, train_cmd
+from conftest import agent_store, run, torchrun_cmd, train_cmd
 
 from tutorial.core.parallel_config import ParallelConfig
-from tutorial.core.process import free_port
 from tutorial.lessons import model_parallel as mp
 
 TOLERANCE = dict(logits=2e-6, loss=2e-6, weights=1e-4)
 CFG = ParallelConfig(steps=3, batch_size=8, micro_batches=4)
 
 
-def _rank(rank, world_size, port, fn, args, queue):
+def _rank(rank, world_size, rendezvous, fn, args, queue):
     """One process of a group: torchrun's variables, then fn(*args); its result (or error) goes back by queue."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1")
+    os.environ.update(rendezvous, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     try:
         buffer = io.BytesIO()  # as bytes: a tensor itself would be shared by a file descriptor that dies with us
         torch.save(fn(*args), buffer)
@@ -49,17 +47,19 @@ def spawn(world_size: int, fn, *args, timeout: float = 120.0) -> list:
     processes fork from a server that has imported torch once (importing it 4 times on 2 busy cores takes long)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "tutorial.lessons.model_parallel"])
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict((r, (status, value)) for r, status, value in (queue.get(timeout=timeout) for _ in procs))
-    finally:
+    queue = ctx.Queue()
+    with agent_store() as rendezvous:
+        procs = [ctx.Process(target=_rank, args=(r, world_size, rendezvous, fn, args, queue))
+                 for r in range(world_size)]
         for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+            p.start()
+        try:
+            results = dict((r, (status, value)) for r, status, value in (queue.get(timeout=timeout) for _ in procs))
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
     errors = [f"rank {r}: {v}" for r, (s, v) in sorted(results.items()) if s == "error"]
     assert not errors, "\n".join(errors)
     return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]

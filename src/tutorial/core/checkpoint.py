@@ -5,6 +5,7 @@ Horovod or with another world size.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import zipfile
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ConfigError, TrainConfig, first_line
-from .distributed import current_rank, max_over_ranks
+from .distributed import current_rank, gather_over_ranks, max_over_ranks
 from .models import unwrap
 from .process import Sigterm, Stopped
 
@@ -91,11 +92,35 @@ def starting_fresh(path: str) -> State:
     return State()
 
 
+def fingerprint(path: str) -> str:
+    """What a rank found at path, to compare with the other ranks': the file's size and content digest."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return f"a checkpoint of {os.path.getsize(path)} bytes, sha256 {digest.hexdigest()[:12]}"
+
+
+def agree_on_resume(path: str, found: str) -> None:
+    """With --resume every rank reads `path` from its own view of the file system. Where out/ is on node-local disks,
+    one rank may resume while another starts fresh, or two load different checkpoints: replicas that silently
+    differ. So the ranks compare what they found (one small all-gather) and all stop together when they disagree."""
+    seen = gather_over_ranks(found)
+    if len(set(seen)) > 1:
+        ranks: dict[str, list[str]] = {}
+        for rank, what in enumerate(seen):
+            ranks.setdefault(what, []).append(str(rank))
+        said = "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {what}" for what, r in ranks.items())
+        raise ConfigError(f"--resume: the ranks found different things at {path} ({said}); every rank must resume "
+                          f"from the same checkpoint: put --out on a file system that all nodes share")
+
+
 def resume(cfg: TrainConfig, model, optimizer, scaler, device: torch.device) -> State:
     """Load cfg.resume_path into model, optimizer and scaler on every rank; a fresh State when not resuming."""
     path = cfg.resume_path
     if not path:
         return State()
+    agree_on_resume(path, found=fingerprint(path) if os.path.isfile(path) else "no checkpoint")
     if not os.path.isfile(path):
         if cfg.resume == "auto":
             return starting_fresh(path)

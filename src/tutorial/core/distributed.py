@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .config import ConfigError, first_line
 from .models import checksum
-from .process import free_port, threads_per_process
+from .process import threads_per_process
 
 # (rank, local_rank, world_size, local_world_size) variable names, most specific launcher first.
 LAUNCHERS = {
@@ -87,11 +87,27 @@ def _first_host() -> str | None:
     return None
 
 
+_held: dist.Store | None = None  # the rendezvous store this process hosts for the next process group (hold_port)
+
+
+def hold_port() -> int:
+    """Host a rendezvous store on a port the OS picks, keep it, and return the port: the next process group of this
+    process at that port (our init_process_group, env://, Lightning) reuses this server (TCPStore's multi_tenant), so
+    the port is held from the moment it is chosen. A port that is merely free when chosen and bound seconds later
+    may be taken in between by any process on the node (issue 38: rank 0 then fails, its peers wait). A new call
+    replaces the previous store: a second process group on one store would find the first one's keys."""
+    global _held
+    _held = None  # release the previous server before the next one binds
+    _held = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    return _held.port
+
+
 def rendezvous(world: World) -> None:
     """Set MASTER_ADDR and MASTER_PORT unless the launcher (torchrun, tutorial.launch.engines, the user) already did.
 
-    Under MPI, rank 0 picks a free port and broadcasts it with mpi4py, so two jobs on one node never collide.
-    Otherwise all ranks derive the same answer from the job's environment.
+    Under MPI, rank 0 holds a port (hold_port) and broadcasts it with mpi4py, so two jobs on one node never collide;
+    a lone process holds its own. Otherwise all ranks derive the same port from the job's environment.
     """
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         return
@@ -99,11 +115,14 @@ def rendezvous(world: World) -> None:
     addr = "127.0.0.1" if single_node else (_first_host() or socket.gethostname())
     if world.launcher in ("openmpi", "pals", "mpich"):
         from mpi4py import MPI
-        addr, port = MPI.COMM_WORLD.bcast((addr if single_node else socket.gethostname(), free_port("")), root=0)
-    elif os.environ.get("SLURM_JOB_ID"):
+        mine = (addr if single_node else socket.gethostname(), hold_port()) if world.rank == 0 else None
+        addr, port = MPI.COMM_WORLD.bcast(mine, root=0)
+    elif world.world_size == 1:
+        port = hold_port()
+    elif os.environ.get("SLURM_JOB_ID"):  # a job's own port: two jobs on a node differ unless 20000 ids apart
         port = 20000 + int(os.environ["SLURM_JOB_ID"]) % 20000
-    else:
-        port = 29500 if world.world_size > 1 else free_port("")
+    else:  # torch's own default, which every rank can derive
+        port = 29500
     os.environ.setdefault("MASTER_ADDR", addr)
     os.environ.setdefault("MASTER_PORT", str(port))
 
@@ -189,6 +208,18 @@ def max_over_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def gather_over_ranks(value) -> list:
+    """Every rank's `value` (a small picklable object), in rank order, on every rank; [value] in a lone process."""
+    if dist.is_available() and dist.is_initialized():  # DDP, FSDP, DeepSpeed, Lightning
+        values = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+        return values
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None and hvd.is_initialized():
+        return hvd.allgather_object(value, name="gather_over_ranks")
+    return [value]
+
+
 def rendezvous_store(world: World, addr: str, port: int, timeout: float) -> dist.Store:
     """The rendezvous torch's env:// does, with a bounded wait that says whom it waits for.
 
@@ -204,7 +235,8 @@ def rendezvous_store(world: World, addr: str, port: int, timeout: float) -> dist
     if (world.rank != 0 or agent_store) and not _listening(addr, port, deadline):
         raise unreachable
     try:
-        store = dist.TCPStore(addr, port, n, is_master=world.rank == 0 and not agent_store,
+        # multi_tenant: rank 0 reuses the server it may already hold on this port (hold_port, engines' MASTER_PORT)
+        store = dist.TCPStore(addr, port, n, is_master=world.rank == 0 and not agent_store, multi_tenant=True,
                               timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
     except (RuntimeError, ValueError) as exc:  # DistStoreError is a RuntimeError
         if world.rank == 0 and not agent_store:

@@ -112,7 +112,15 @@ class RunRecord(L.Callback):
 class LaunchedDDP(DDPStrategy):
     """DDP over processes that a launcher or the notebook engines started. Lightning's DDPStrategy always prepares
     its own script launcher, which refuses to run where Python is interactive (the engines are IPython kernels);
-    with processes started elsewhere there is nothing for it to launch."""
+    with processes started elsewhere there is nothing for it to launch. Its default timeout is torch's default when
+    the strategy is made (DDPStrategy's own froze torch's 30 minutes at import), so the bound that the notebook
+    engines set for process groups made in %%px cells (launch.engines.RENDEZVOUS_BOUND_S) holds for Lightning's."""
+
+    def __init__(self, *args, **kwargs):
+        if "timeout" not in kwargs:
+            from torch.distributed import distributed_c10d
+            kwargs["timeout"] = distributed_c10d.default_pg_timeout
+        super().__init__(*args, **kwargs)
 
     def _configure_launcher(self) -> None:
         self._launcher = None

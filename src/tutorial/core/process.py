@@ -3,6 +3,7 @@ the cores, and the environment Open MPI needs. Standard library only, so anythin
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import sys
@@ -27,11 +28,39 @@ def threads_per_process(processes: int) -> int:
     return max(1, usable_cores() // max(1, processes))
 
 
+# Ports the system hands out by itself (bind to port 0, every outgoing connection) come from its ephemeral range;
+# a port chosen there and bound seconds later can be taken in between by any process on the node (issue 38).
+LOWEST_PORT = 20000  # below it: well-known services (Jupyter's 8888, TensorBoard's 6006, torch's 29500 is above)
+
+
+def ephemeral_ports() -> range:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):  # not Linux: the IANA range
+        return range(49152, 65536)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (on a cluster, any open port on node 0 does, e.g. 29500)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port nobody uses right now, for a port that another process must bind (node 0 of a torchrun or DeepSpeed
+    launch, rank 0 of a tcp:// init, a server). Where the process that binds it is ours to run, hold the port instead
+    (core.distributed.hold_port, or a store the launcher hosts): nothing can take a held port. This one is drawn at
+    random from below the ephemeral range, which the system never hands out by itself, so only another explicit
+    choice of the same number (1 in about 12,000) could take it before it is bound."""
+    ephemeral = ephemeral_ports()
+    candidates = range(LOWEST_PORT, max(LOWEST_PORT + 1000, ephemeral.start))
+    for _ in range(100):
+        port = random.SystemRandom().choice(candidates)
+        if port in ephemeral or port == 29500:  # 29500: torch's default, which other jobs use without asking
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port found in {candidates.start}-{candidates.stop - 1} (100 tries)")
 
 
 def open_mpi_env(env: dict | None = None) -> dict:

@@ -23,7 +23,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from .checkpoint import State, starting_fresh
+from .checkpoint import State, agree_on_resume, fingerprint, starting_fresh
 from .config import ConfigError, TrainConfig, first_line
 
 
@@ -126,7 +126,9 @@ def _existing(cfg: TrainConfig, kind: str, marker: str) -> str:
     path = checkpoint_dir(cfg) if cfg.resume else ""
     if not path:
         return ""
-    if not os.path.exists(os.path.join(path, marker)):
+    marked = os.path.join(path, marker)  # written last: it names a complete checkpoint
+    agree_on_resume(path, found=fingerprint(marked) if os.path.isfile(marked) else "no checkpoint")
+    if not os.path.exists(marked):
         if cfg.resume == "auto" and not os.path.exists(path):
             starting_fresh(path)
             return ""

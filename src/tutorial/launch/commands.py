@@ -1,5 +1,6 @@
 """The launch commands the workbook teaches, as argument lists: torchrun across nodes, mpirun -H, horovodrun -H and
-hand-written ranks (06_multi_node). Nothing here starts anything; `child_processes.launch` does."""
+hand-written ranks (06_multi_node). Nothing here starts a process; `child_processes.launch` does. (A c10d
+rendezvous on this host is held here, core.distributed.hold_port, until the next one.)"""
 from __future__ import annotations
 
 import shlex
@@ -31,10 +32,13 @@ def torchrun_nodes(out: str, nnodes: int = 2, nproc_per_node: int = 1, port: int
     """One torchrun command per node. static: every node is told its --node_rank and node 0's address (seed 001's
     recipe); c10d: the nodes agree on a rendezvous endpoint and torchrun numbers them (scripts/slurm/ddp.sbatch).
     program: what torchrun starts instead of the trainer, e.g. ["-m", "tutorial.launch.worker"]."""
-    port = port or free_port()
-    program = program or trainer(stage, out, preset)
     if rdzv not in ("static", "c10d"):
         raise ValueError(f"rdzv {rdzv!r} is not one of: static, c10d")
+    # c10d: this process hosts the rendezvous store on a port it holds, and both agents, failing to bind it, join it
+    # as clients (torch's c10d backend falls back to that). static: node 0's agent must bind --master_port itself.
+    from ..core.distributed import hold_port  # torch, needed only here
+    port = port or (hold_port() if rdzv == "c10d" else free_port())
+    program = program or trainer(stage, out, preset)
     run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
            "--nproc_per_node", str(nproc_per_node)]
     if rdzv == "c10d":

@@ -36,8 +36,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from ..core.config import ConfigError
-from ..core.process import Sigterm, Stopped, free_port, open_mpi_env, threads_per_process
+from ..core.config import ConfigError, first_line
+from ..core.process import Sigterm, Stopped, open_mpi_env, threads_per_process
 from . import child_processes
 
 ENGINE_KINDS = ("local", "mpi", "slurm", "pbs")
@@ -54,6 +54,11 @@ FAILURE_GRACE_S = 5.0
 # After an Interrupt, how long the ranks get to reach the step where they all agree to stop (the trainers compare
 # every log_every steps, checkpoint.stop_requested) and save; after that they get a KeyboardInterrupt where they are.
 STOP_GRACE_S = 10.0
+# A process group made by hand in a %%px cell waits for a missing rank for torch's default before it says anything:
+# 30 minutes under gloo, 10 under NCCL, and nothing there answers an Interrupt (the wait is in C++). On the engines the
+# course bounds it, rendezvous and collectives alike, unless the cell passes its own timeout=: a rank whose peer never
+# comes (a mistyped rank condition, a peer that raised first) raises after this many seconds.
+RENDEZVOUS_BOUND_S = 120.0
 ALL_INTERFACES = ("*", "0.0.0.0")
 ANSI_COLOURS = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -111,7 +116,11 @@ def _probe() -> dict:
 def _configure(env: dict, use_cuda: bool) -> tuple[str, str, int]:
     """Become rank env['RANK']: torchrun's variables, a fair share of the node's cores, and the GPU of our local rank
     (so that nccl and .cuda() never default to GPU 0). Returns the device, the GPU's UUID and the threads."""
+    import datetime
+
     import torch
+    import torch.distributed.distributed_c10d as c10d
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = datetime.timedelta(seconds=RENDEZVOUS_BOUND_S)
     threads = threads_per_process(int(env["LOCAL_WORLD_SIZE"]))
     os.environ.update(env, OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
@@ -367,6 +376,7 @@ class Cluster:
         self.engines: list[EngineInfo] = []
         self.results: list = []   # the last run's result per rank, in rank order
         self.client = self.view = self._reaper = None
+        self.master_addr, self.master_port = "127.0.0.1", None  # the engines' rendezvous (new_master_port)
         self._stopped = False
         self.name, self._request = "", None
 
@@ -414,7 +424,7 @@ class Cluster:
         hosts = {}
         for i in order:
             hosts.setdefault(infos[i]["host"], []).append(i)
-        master_addr = "127.0.0.1" if len(hosts) == 1 else infos[order[0]]["host"]
+        master_addr = self.master_addr = "127.0.0.1" if len(hosts) == 1 else infos[order[0]]["host"]
         pending = []
         for host, members in hosts.items():
             for local_rank, i in enumerate(members):
@@ -440,11 +450,11 @@ class Cluster:
 
     def _activate_magics(self) -> None:
         """%%px on all engines in rank order, with each engine's output at the end and no progress bar (stable
-        outputs under nbval)."""
+        outputs under nbval), bounded and freed like run() (_bounded_magics)."""
         from IPython import get_ipython
         shell = get_ipython()
         if shell is not None:
-            self.view.activate()
+            shell.magics_manager.register(_bounded_magics(self)(shell, self.view))
             shell.run_line_magic("pxconfig", "--no-stream --progress-after -1")
 
     def table(self) -> str:
@@ -524,10 +534,14 @@ class Cluster:
 
     # -------------------------------------------------------------------------------------------------- run
     def new_master_port(self) -> int:
-        """Give every engine a MASTER_PORT nobody listens on, for a process group made by hand in a %%px cell (03):
-        a second rendezvous on the port of the previous one hangs. run() calls it before every run."""
+        """Give every engine a new MASTER_PORT for the next process group, made by hand in a %%px cell (03), by
+        Lightning (08) or by a trainer: rank 0's engine binds it now and holds it (core.distributed.hold_port), and
+        its init_process_group takes over that very server, so no other process on the node can take the port in
+        between (a port that was only free when chosen could be, issue 38). A new one for every group: a second
+        rendezvous on the store of the previous one would find its keys. run() calls it before every run."""
         self._require_running()
-        port = self.client[self.engines[0].engine_id].apply_sync(free_port, "")  # free on rank 0's host
+        from ..core.distributed import hold_port  # torch: not at import, the reaper imports this module too
+        port = self.master_port = self.client[self.engines[0].engine_id].apply_sync(hold_port)
         self.view.apply_sync(_setenv, {"MASTER_PORT": str(port)})
         return port
 
@@ -620,8 +634,8 @@ class Cluster:
                 log.warning("signalling the engines: %r", exc)
                 break
         if not result.ready():
-            return f"interrupted: {what} did not stop on the engines within {time.monotonic() - waited:.0f} s. " \
-                   + self._recover()
+            return f"interrupted: {what} did not stop within {time.monotonic() - waited:.0f} s on " \
+                   f"{self._stuck(result)}. " + self._recover()
         outcomes = result.get(return_exceptions=True)
         self.results = outcomes
         stopped = [o for o in outcomes if isinstance(o, Interrupted)]
@@ -639,6 +653,59 @@ class Cluster:
         return (f"interrupted: {what} did not stop at a step within {STOP_GRACE_S:g} s: a KeyboardInterrupt ended it "
                 f"on the engines ({raised} of {len(outcomes)} ranks raised); the engines are ready for the next cell")
 
+    def _free(self, result, what: str, timed_out: bool) -> str:
+        """After a %%px cell was interrupted (ipyparallel's magic has sent SIGINT to the engines) or ran past its bound:
+        give the engines FAILURE_GRACE_S to stop, then replace those that did not (a rank waiting in C++, in a
+        rendezvous or a collective, never sees SIGINT), naming them and what they wait for."""
+        why = f"ran past run_timeout={self.run_timeout:g} s" if timed_out else "was interrupted"
+        if result.wait(FAILURE_GRACE_S):
+            return f"{what} {why}: SIGINT stopped it on every engine; {READY}"
+        stuck, raised = self._stuck(result), self._raised(result)
+        return (f"{what} {why} and did not stop within {FAILURE_GRACE_S:g} s of SIGINT on {stuck}"
+                + (f" ({raised}, above)" if raised else "") + ". " + self._recover()
+                + " Their variables are gone: run the cells that set them again.")
+
+    def _raised(self, result) -> str:
+        """The errors of the ranks that finished before the others got stuck (often the cause: a rank that raised
+        before the rendezvous), printed with their tracebacks, and named in one short phrase."""
+        said = []
+        for e, part in zip(self.engines, result.split()):
+            if part.ready():
+                try:
+                    part.get(0)
+                except Exception as exc:  # noqa: BLE001 - a RemoteError: the engine's own exception
+                    name, value = getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc))
+                    tb = ANSI_COLOURS.sub("", getattr(exc, "traceback", "") or "").rstrip()
+                    print(f"[rank {e.rank}] {tb or f'{name}: {value}'}", file=sys.stderr, flush=True)
+                    said.append(f"rank {e.rank} raised {name}: {first_line(value)}")
+        return "; ".join(said)
+
+    def _stuck(self, result) -> str:
+        """The ranks still busy with `result`, each with what it waits for where this host can see it."""
+        parts = result.split()
+        return "; ".join(f"rank {e.rank} (engine {e.engine_id}, pid {e.pid} on {e.host}){self._waiting_for(e)}"
+                         for e, part in zip(self.engines, parts) if not part.ready())
+
+    def _waiting_for(self, e: EngineInfo) -> str:
+        """What a stuck engine waits for, from its TCP connections: a rendezvous (connected to the engines' MASTER_PORT)
+        or an address where nobody listens. Engines on other hosts are not visible from here: ""."""
+        import psutil
+        if self.master_port is None or e.host != socket.gethostname():
+            return ""
+        where = f"{self.master_addr}:{self.master_port}"
+        try:
+            connected = any(c.raddr and c.raddr.port == self.master_port
+                            for c in psutil.Process(e.pid).net_connections(kind="tcp"))
+        except psutil.Error:
+            return ""
+        if connected:
+            return f", in the rendezvous at {where}: connected, waiting for ranks that never arrived"
+        try:
+            socket.create_connection((self.master_addr, self.master_port), timeout=1).close()
+            return ""
+        except OSError:
+            return f", trying to reach the rendezvous at {where}, where nobody listens"
+
     def _recover(self) -> str:
         """Replace the engines, or stop them all; say which."""
         if self.on_failure == "restart":
@@ -652,6 +719,43 @@ class Cluster:
 
 
 _RUNNING = object()  # a rank's outcome while it has not finished
+READY = "the engines are ready for the next cell"
+
+
+def _bounded_magics(cluster: Cluster):
+    """ipyparallel's %px and %%px magics on cluster.view, with the waits that run() has: a cell ends within the
+    cluster's run_timeout (then it is interrupted as by the Interrupt button), and after an Interrupt the engines
+    that did not stop on SIGINT are named and restarted, so the next cell (a %%px, a view[...] pull, a run) never
+    queues behind them. Before (issue 38), a rank stuck in a rendezvous held its engine for gloo's 30 minutes."""
+    import _thread
+    import threading
+
+    from ipyparallel.client.magics import ParallelMagics
+
+    class BoundedMagics(ParallelMagics):
+        def parallel_execute(self, cell, block=None, **kwargs):
+            if not (self.view.block if block is None else block):
+                return super().parallel_execute(cell, block=block, **kwargs)
+            timed_out = threading.Event()
+            timer = threading.Timer(cluster.run_timeout, lambda: (timed_out.set(), _thread.interrupt_main()))
+            timer.daemon = True
+            self.last_result = None
+            timer.start()
+            try:
+                # On a KeyboardInterrupt (the button, nbval's cell timeout, the timer) the magic sends SIGINT to the
+                # engines and shows what they printed; it does not wait for them to stop.
+                return super().parallel_execute(cell, block=block, **kwargs)
+            finally:
+                timer.cancel()
+                result = self.last_result
+                if result is not None and (timed_out.is_set() or not result.done()):
+                    freed = cluster._free(result, "the %%px cell", timed_out.is_set())
+                    if timed_out.is_set():
+                        raise EngineTimeout(freed)
+                    if not freed.endswith(READY):  # stopped within the grace: as ipyparallel's magic, no error
+                        raise KeyboardInterrupt(freed)
+
+    return BoundedMagics
 
 
 def _print_new(metadata, printed: dict) -> None:

@@ -545,13 +545,13 @@ def run(argv: list[str], folder: str) -> None:
 
 def _lr_probe(argv: list[str], folder: str) -> None:
     """In the forked child: the script alone (world size 1, its own rendezvous), up to its first optimizer step."""
-    from ..core.process import free_port
+    from ..core.distributed import hold_port
     code = 1
     try:
         for name in ("TORCHELASTIC_USE_AGENT_STORE", LR_PROBE_DIR_VARIABLE, MAX_STEPS_VARIABLE, MAX_SECONDS_VARIABLE):
             os.environ.pop(name, None)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                          ROLE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                          ROLE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(hold_port()),
                           **{LR_PROBE_VARIABLE: "1", CWD_VARIABLE: os.path.join(folder, "run")})
         run(argv, os.path.join(folder, "ranks"))
         code = 0

@@ -14,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..core.distributed import hold_port
 from ..core.process import free_port
 from ..launch.commands import manual_commands
 from ..launch.child_processes import Launch, Nodes, launch, launcher_env, leftovers
@@ -148,8 +149,9 @@ class RehearsalNodes:
         return list(self.names) if self.virtual else [socket.gethostname()] * len(self.names)
 
     def endpoint(self) -> str:
-        """Where node1 listens: a fixed port on the virtual node1 (every node has ports of its own), else a free one."""
-        return f"{self.names[0]}:29400" if self.virtual else f"127.0.0.1:{free_port()}"
+        """Where node1 listens: a fixed port on the virtual node1 (every node has ports of its own), else a port this
+        process holds and serves the rendezvous on (the agents join it as clients; core.distributed.hold_port)."""
+        return f"{self.names[0]}:29400" if self.virtual else f"127.0.0.1:{hold_port()}"
 
     def on(self, node: str, cmd: list[str]) -> list[str]:
         """cmd as it runs on node (`virtual_cluster.sh exec node CMD`); on localhost, cmd itself."""
