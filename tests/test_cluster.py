@@ -219,6 +219,8 @@ def test_a_hang_is_bounded_by_the_timeout(local, helpers):
 
 
 def test_engine_killed_mid_run_gives_a_clear_error(local):
+    """...and the engines that replace it keep what setenv() set (10's flight-recorder variables did not)."""
+    local.setenv({"TUTORIAL_KEPT": "across restarts"})
     victim = local.engines[1]
     cfg = TrainConfig.preset("smoke", epochs=200)  # minutes of training: the kill lands in the middle
     killer = threading.Timer(4.0, os.kill, (victim.pid, signal.SIGKILL))
@@ -233,6 +235,7 @@ def test_engine_killed_mid_run_gives_a_clear_error(local):
     assert info.value.rank == 1
     assert not psutil.pid_exists(victim.pid)
     assert local.run(train_ddp.main, TrainConfig.preset("smoke", epochs=1, max_steps=2))["world_size"] == 2
+    assert local.view.apply_sync(os.environ.get, "TUTORIAL_KEPT") == ["across restarts"] * 2
 
 
 def test_interrupt_of_code_that_never_looks_at_the_stop_flag_ends_it_with_a_keyboard_interrupt(local, helpers,

@@ -22,7 +22,7 @@ RECIPE = ROOT / "scripts" / "slurm" / "ddp_per_task.sbatch"
 STUB = f"""#!{sys.executable}
 import json, os, sys
 with open(os.environ["STUB_LOG"], "a") as f:
-    f.write(json.dumps(dict(argv=sys.argv[1:], cwd=os.getcwd())) + "\\n")
+    f.write(json.dumps(dict(argv=sys.argv[1:], cwd=os.getcwd(), cpus=os.environ.get("SRUN_CPUS_PER_TASK"))) + "\\n")
 """
 
 
@@ -53,13 +53,13 @@ def test_recipe_starts_one_trainer_per_task_with_srun(tmp_path):
     (work / ".venv" / "bin" / "activate").write_text("export VIRTUAL_ENV=\"$PWD/.venv\"\n")
     log = tmp_path / "calls.jsonl"
     env = dict(PATH=f"{tmp_path / 'bin'}:/usr/bin:/bin", HOME=str(tmp_path), SLURM_JOB_ID="4242",
-               SLURM_JOB_NODELIST="gpu[01-02]", STUB_LOG=str(log))
+               SLURM_JOB_NODELIST="gpu[01-02]", SLURM_CPUS_PER_TASK="8", STUB_LOG=str(log))
     proc = subprocess.run(["bash", RECIPE, "--epochs", "2"], cwd=work, env=env, capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode == 0, proc.stderr
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert calls == [dict(argv=["--gpu-bind=single:1", "python", "-m", "tutorial.train_ddp", "--preset", "workshop",
-                                "--out", "runs/ddp-4242", "--epochs", "2"], cwd=str(work))]
+                                "--out", "runs/ddp-4242", "--epochs", "2"], cwd=str(work), cpus="8")]
 
 
 @pytest.mark.parametrize("visible, expected", [(1, lambda local: 0), (8, lambda local: local)])
@@ -78,3 +78,34 @@ def test_each_task_picks_a_gpu_it_can_see(monkeypatch, visible, expected):
         device = distributed.pick_device(world.local_rank, world.local_world_size)
         assert device == torch.device("cuda", expected(local)) and device.index < visible
     assert chosen == [expected(local) for local in range(8)]
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "scripts" / "slurm").glob("*.sbatch")), ids=lambda p: p.name)
+def test_every_srun_gets_the_cores_the_job_asked_for(recipe, tmp_path):
+    """Since Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task (SRUN_CPUS_PER_TASK carries it): without
+    it every task of ddp.sbatch gets one core for 4 ranks and their loader workers. Each recipe runs in a fake job
+    that asked for 8 cores per task, against stubs of srun and scontrol; every srun must see SRUN_CPUS_PER_TASK=8.
+    (On 4e6582a every srun saw None.)"""
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(STUB)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node01\necho node02\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    (work / ".venv" / "bin").mkdir(parents=True)
+    (work / ".venv" / "bin" / "activate").write_text("export VIRTUAL_ENV=\"$PWD/.venv\"\n")
+    log = tmp_path / "calls.jsonl"
+    env = dict(PATH=f"{bin_dir}:/usr/bin:/bin", HOME=str(tmp_path), SLURM_JOB_ID="4242", SLURM_NNODES="2",
+               SLURM_JOB_NODELIST="node[01-02]", SLURM_GPUS_PER_NODE="4", SLURM_CPUS_PER_TASK="8",
+               STUB_LOG=str(log))
+    proc = subprocess.run(["bash", recipe], cwd=work, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls and all(call["cpus"] == "8" for call in calls), calls
+
+
+@pytest.mark.parametrize("template", ["engines.sh", "engines_cpu.sh"])
+def test_the_engines_batch_templates_pass_the_cores_on_to_srun(template):
+    """ipyparallel fills these in and submits them (test_cluster renders them); srun must come after the export."""
+    text = (ROOT / "scripts" / "slurm" / template).read_text()
+    assert 0 <= text.find('export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"') < text.find("\nsrun ")

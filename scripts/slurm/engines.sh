@@ -25,5 +25,7 @@
 #SBATCH --export=ALL
 # --export=ALL: the job gets the notebook's environment: the virtual environment's PATH, the cluster id and the
 # controller's address.
+# Slurm >= 22.05: srun no longer inherits --cpus-per-task from sbatch; without this every task gets one core.
+export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 # --kill-on-bad-exit: one engine that dies takes the others down, rather than leaving a job that never finishes.
 srun --kill-on-bad-exit=1 --cpu-bind=cores {program_and_args}

@@ -19,4 +19,6 @@
 #SBATCH --cpus-per-task=1
 #SBATCH --output={output_file}
 #SBATCH --export=ALL
+# Slurm >= 22.05: srun no longer inherits --cpus-per-task from sbatch; without this every task gets one core.
+export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 srun --kill-on-bad-exit=1 {program_and_args}

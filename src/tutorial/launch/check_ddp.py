@@ -270,8 +270,9 @@ def analyse(run: dict, nproc: int) -> tuple[list[Finding], list[str]]:
         return fatal, []
     if not any(r["init"] for r in reports.values()):
         return [Finding("no-process-group", f"no rank called init_process_group: each of the {nproc} ranks torchrun "
-                        "started trained alone on all the data; call dist.init_process_group('nccl' if "
-                        "torch.cuda.is_available() else 'gloo') first (torchrun's RANK/WORLD_SIZE say who is who)")], []
+                        "started trained alone on all the data; call dist.init_process_group(dist."
+                        "get_default_backend_for_device(device)) first, device being where the model's tensors live "
+                        "(gloo for the CPU, nccl for a GPU; torchrun's RANK/WORLD_SIZE say who is who)")], []
     if all(r["world_size"] == 1 for r in reports.values()):
         where = next(iter(reports.values()))["init"][0]["where"]
         return [Finding("world-size-1", f"every rank joined a process group of world size 1, not {nproc}: the "

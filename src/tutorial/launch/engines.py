@@ -377,6 +377,7 @@ class Cluster:
         self.results: list = []   # the last run's result per rank, in rank order
         self.client = self.view = self._reaper = None
         self.master_addr, self.master_port = "127.0.0.1", None  # the engines' rendezvous (new_master_port)
+        self.env: dict = {}  # what setenv() set: every engine gets it again after a restart
         self._stopped = False
         self.name, self._request = "", None
 
@@ -430,7 +431,7 @@ class Cluster:
             for local_rank, i in enumerate(members):
                 info = EngineInfo(i, order.index(i), local_rank, self.n, len(members), host, infos[i]["pid"],
                                   mpi_rank=infos[i]["mpi_rank"])
-                env = dict(RANK=str(info.rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(self.n),
+                env = dict(self.env, RANK=str(info.rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(self.n),
                            LOCAL_WORLD_SIZE=str(len(members)), MASTER_ADDR=master_addr)
                 pending.append((info, self.client[i].apply_async(_configure, env, self.use_cuda)))
         for info, configured in pending:
@@ -463,6 +464,15 @@ class Cluster:
         rows += [(str(e.rank), str(e.local_rank), e.host, str(e.pid), e.device, str(e.threads)) for e in self.engines]
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+
+    def setenv(self, values: dict) -> None:
+        """Set environment variables on every engine, now and again after every restart (restart(), run(fresh=True),
+        the recovery after a rank died): for variables read when something starts later, such as the NCCL flight
+        recorder's, read when a process group is made (10). Setting os.environ in a %%px cell lasts only until then."""
+        self._require_running()
+        values = {str(k): str(v) for k, v in values.items()}
+        self.env.update(values)
+        self.view.apply_sync(_setenv, values)
 
     def restart(self) -> None:
         """Fresh engine processes (new pids, nothing left from earlier runs), same n, same controller."""

@@ -184,6 +184,9 @@ def check_train_and_save(train_and_save) -> str:
     from pathlib import Path
 
     model, X, y = _exercise_problem()
+    if torch.cuda.is_available():  # where nn.DataParallel will put the module: its inputs and targets must be there too
+        device = torch.device("cuda", torch.cuda.current_device())
+        model, X, y = model.to(device), X.to(device), y.to(device)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.pt"
         try:
@@ -208,7 +211,7 @@ def check_train_and_save(train_and_save) -> str:
                     "save dp_model.module.state_dict() instead")
         return f"wrong: a plain model cannot load the file; its keys are {keys[:3]}..."
     trained = dict(model.named_parameters())
-    if not all(torch.equal(v, trained[k].detach()) for k, v in plain.named_parameters()):
+    if not all(torch.equal(v, trained[k].detach().cpu()) for k, v in plain.named_parameters()):
         return "wrong: the file loads, but holds other weights than the trained model's"
     return f"correct: a plain model loads the file strictly (keys {keys[:2]}...) and holds the trained weights"
 
