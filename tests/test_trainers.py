@@ -186,3 +186,75 @@ def test_quiet_prints_one_line_with_where_the_run_ended(capsys):
     last = quiet["epochs"][-1]
     assert line.startswith(printed[0] + "; after epoch 1: ") and f"test loss {last['test_loss']:.4f}" in line
     assert quiet["test_loss"] == loud["test_loss"]  # quiet changes what is printed, nothing else
+
+
+def _syncs(monkeypatch) -> list:
+    """Every Tensor.item() from now on: each one makes the host wait for the device (on a GPU)."""
+    seen, item = [], torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: seen.append(1) or item(self))
+    return seen
+
+
+def test_an_fp16_step_adds_no_host_sync_and_still_counts_skipped_steps(monkeypatch):
+    """fp16's dynamic loss scaling, with torch's GradScaler for the CPU standing in for the GPU's (the same
+    arithmetic; Precision itself refuses fp16 on a CPU). GradScaler.step decides whether to step with one .item() of
+    its own; Precision.step adds none (before: two get_scale() calls per step, each a .item(), three syncs in all),
+    and the step whose gradients overflow is still counted, read once (skipped_steps)."""
+    from tutorial.core.precision import Precision
+    precision = Precision("fp32", torch.device("cpu"))
+    precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    X = torch.ones(2, 4)
+    syncs = _syncs(monkeypatch)
+    for overflow in (False, True, False, False):
+        optimizer.zero_grad()
+        precision.backward(model(X).sum() * (float("inf") if overflow else 1.0))
+        precision.step(optimizer, model.parameters())
+    assert len(syncs) == 4  # GradScaler.step's own, one per step
+    assert precision.skipped_steps == 1 and precision.loss_scale == 2.0 ** 15
+
+
+def test_the_loss_scale_is_read_at_log_steps_only(tmp_path):
+    """RunLog.step gets the trainer's Precision and reads its loss scale (a sync under fp16) every log_every steps
+    only, as it reads the loss (before, every trainer evaluated precision.loss_scale for every step's call). The
+    control logs every step and must read it every step."""
+    from tutorial.core import tracking
+
+    class Scaler:
+        reads = 0
+
+        @property
+        def loss_scale(self):
+            Scaler.reads += 1
+            return 1024.0
+
+    def reads(log_every: int) -> int:
+        Scaler.reads = 0
+        log = tracking.RunLog(TrainConfig.preset("smoke", log_every=log_every, out=str(tmp_path)), "single",
+                              torch.device("cpu"))
+        try:
+            for step in range(1, 31):
+                log.step(step, torch.tensor(1.0), 0.1, Scaler())
+        finally:
+            log.close()
+        return Scaler.reads
+
+    assert reads(10) == 3 and reads(1) == 30
+
+
+def test_bf16_on_a_gpu_without_bf16_is_one_clear_error(monkeypatch):
+    """A V100 (compute capability 7.0) has no bf16 arithmetic; torch would emulate it slowly or fail in a kernel.
+    With the capability faked (no GPU here), Precision refuses in one line naming the GPU; the control, an A100, is
+    accepted."""
+    from tutorial.core.config import ConfigError
+    from tutorial.core.precision import Precision
+    for name, capability, supported in (("Tesla V100-SXM2-32GB", (7, 0), False), ("NVIDIA A100-SXM4-40GB", (8, 0), True)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: supported)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        if supported:
+            assert Precision("bf16", torch.device("cuda", 0)).dtype == torch.bfloat16
+        else:
+            with pytest.raises(ConfigError, match=r"Tesla V100-SXM2-32GB is 7\.0: use --precision fp16"):
+                Precision("bf16", torch.device("cuda", 0))

@@ -94,7 +94,7 @@ def train_one_epoch(loop: Loop, loader, epoch: int):
             set_lr(loop.optimizer, lr)
             model.step()  # DeepSpeed: clip, step (each rank its partition), share the new weights, zero the grads
             state.step += 1
-            loop.log.step(state.step, loss, lr, getattr(loop.optimizer, "loss_scale", 1.0))  # DeepSpeed: its scaler
+            loop.log.step(state.step, loss, lr, loop.optimizer)  # DeepSpeed: its optimizer has the loss scale
             if checkpoint.stop_requested(state, i, len(loader), cfg.log_every):  # SIGTERM on any rank
                 break
             if cfg.max_steps and state.step >= cfg.max_steps:

@@ -96,7 +96,7 @@ def train_one_epoch(loop: Loop, loader, epoch: int):
             precision.step(loop.optimizer, model.parameters(), cfg.clip_grad)  # FSDP: each rank steps its shard
             loop.optimizer.zero_grad()
             state.step += 1
-            loop.log.step(state.step, loss, lr, precision.loss_scale)
+            loop.log.step(state.step, loss, lr, precision)
             if checkpoint.stop_requested(state, i, len(loader), cfg.log_every):  # SIGTERM on any rank
                 break
             if cfg.max_steps and state.step >= cfg.max_steps:

@@ -95,6 +95,10 @@ def setup(cfg: TrainConfig):
     return device, world, created
 
 
+def devices_per_node(world, device: torch.device) -> int:
+    return min(world.local_world_size, torch.cuda.device_count()) if device.type == "cuda" else world.local_world_size
+
+
 def build(cfg: TrainConfig, device: torch.device, world):
     """Data, the LightningModule (model and optimizer) and the Trainer."""
     train_set, test_set, info = build_datasets(cfg)
@@ -117,7 +121,8 @@ def build(cfg: TrainConfig, device: torch.device, world):
         callbacks.append(EarlyStopping(monitor="test_accuracy", mode="max", stopping_threshold=cfg.target_accuracy,
                                        patience=cfg.epochs))
     trainer = L.Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu", devices=world.local_world_size,
+        # devices: the node's ranks, or fewer where each rank sees only its own GPU (a launcher's per-task binding)
+        accelerator="gpu" if device.type == "cuda" else "cpu", devices=devices_per_node(world, device),
         num_nodes=world.world_size // world.local_world_size,
         strategy=LaunchedDDP(cluster_environment=WorldEnvironment(world)), precision=PRECISION[cfg.precision],
         max_epochs=cfg.epochs, max_steps=cfg.max_steps or -1, accumulate_grad_batches=cfg.grad_accum,

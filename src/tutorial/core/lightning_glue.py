@@ -13,6 +13,7 @@ import time
 import warnings
 
 import lightning as L
+import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -124,6 +125,20 @@ class LaunchedDDP(DDPStrategy):
 
     def _configure_launcher(self) -> None:
         self._launcher = None
+
+    @property
+    def root_device(self) -> torch.device:
+        """This rank's device as pick_device takes it. Where a launcher binds one GPU to each task (Slurm
+        --gpus-per-task=1), a rank sees only its own GPU, so this node's device list has one entry, and Lightning's
+        parallel_devices[local_rank] would be out of range on every rank but the first."""
+        devices = self.parallel_devices
+        return devices[self.local_rank % len(devices)]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        """Every rank of the job shares the data, as the launcher counts them (Lightning's nodes x this node's
+        devices is 1 per node where each task sees one GPU)."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
 
 @contextlib.contextmanager

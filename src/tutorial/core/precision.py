@@ -18,10 +18,15 @@ class Precision:
         if name == "fp16" and device.type != "cuda":
             raise ConfigError("precision fp16 needs a CUDA GPU (no fast fp16 kernels or loss scaling on a CPU); "
                               "use --precision bf16 or fp32 here")
+        if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise ConfigError(f"precision bf16 needs a GPU with bf16 arithmetic (compute capability 8.0, Ampere, or "
+                              f"newer); {torch.cuda.get_device_name(device)} is {major}.{minor}: use --precision "
+                              "fp16 (with loss scaling) or fp32")
         self.name, self.device_type = name, device.type
         self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(name)
         self.scaler = torch.amp.GradScaler(device.type, enabled=name == "fp16")
-        self.skipped_steps = 0
+        self._skipped = 0  # a tensor on the device once fp16 steps have run: counted there, read per epoch
 
     def autocast(self):
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)
@@ -29,23 +34,26 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def step(self, optimizer, parameters, clip_grad: float = 0.0) -> bool:
+    def step(self, optimizer, parameters, clip_grad: float = 0.0) -> None:
         """Unscale (so clipping sees true gradient norms), clip, step unless gradients overflowed, update the scale.
-        Returns False when the step was skipped."""
+        Nothing here waits for the GPU: GradScaler.get_scale() is a .item() (a host-device sync), so the skipped step
+        is counted by comparing the scale tensors on the device, and read once per epoch (skipped_steps)."""
         if clip_grad > 0:
             self.scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
         if not self.scaler.is_enabled():
             optimizer.step()
-            return True
-        scale = self.scaler.get_scale()
+            return
+        before = self.scaler._scale.clone()  # the scale tensor scale() made (get_scale() would copy it to the host)
         self.scaler.step(optimizer)
         self.scaler.update()
-        if self.scaler.get_scale() < scale:  # the scaler only lowers the scale after inf/nan gradients
-            self.skipped_steps += 1
-            return False
-        return True
+        self._skipped = self._skipped + (self.scaler._scale < before).int()  # lowered only after inf/nan gradients
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._skipped)
 
     @property
     def loss_scale(self) -> float:
+        """The current loss scale (a host-device sync under fp16: read it at log steps only, RunLog.step does)."""
         return self.scaler.get_scale() if self.scaler.is_enabled() else 1.0

@@ -86,8 +86,10 @@ class RunLog:
         from tqdm.auto import tqdm
         return tqdm(batches, desc=f"epoch {epoch}", total=len(loader), leave=False)
 
-    def step(self, step: int, loss: torch.Tensor, lr: float, loss_scale: float) -> None:
-        """Step scalars every log_every steps (loss.item() waits for the GPU, so not every step); a loss that has
+    def step(self, step: int, loss: torch.Tensor, lr: float, scaler) -> None:
+        """Step scalars every log_every steps (loss.item() waits for the GPU, so not every step, and so does the loss
+        scale: `scaler` is anything with a loss_scale, the trainer's Precision or DeepSpeed's optimizer, read here
+        at log steps only); a loss that has
         become NaN or infinite on any rank stops the run there, on every rank at once (one rank stopping alone
         would leave the others waiting in their next all-reduce), instead of training on garbage."""
         if self.timer:
@@ -109,7 +111,7 @@ class RunLog:
         if self.writer:
             self.writer.add_scalar("train/loss", value, step)
             self.writer.add_scalar("train/lr", lr, step)
-            self.writer.add_scalar("train/loss_scale", loss_scale, step)
+            self.writer.add_scalar("train/loss_scale", getattr(scaler, "loss_scale", 1.0), step)
 
     def epoch(self, record: dict, step: int) -> None:
         self.metrics["epochs"].append(record)
