@@ -29,7 +29,14 @@ LANE_NOTEBOOKS ?= $(filter-out $(PRESET_FREE_NOTEBOOKS),$(wildcard notebooks/[0-
 WORKSHOP_LANE = TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax $(LANE_NOTEBOOKS) \
 	--nbval-cell-timeout $(NBVAL_TIMEOUT)
 
-.PHONY: help install lab test test-unit test-notebooks unit nbval workshop-lane notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
+# The floor lane: the trainers' core paths and gpu-check's CPU rehearsal on the oldest torch the workbook supports
+# (pyproject.toml's "torch>=", the one place it is declared; the lent GPU node has 2.11), in .venv-floor, an overlay of
+# .venv that make install makes (scripts/torch_floor.sh). It runs in the notebooks' half, which has room for it.
+FLOOR_TESTS = tests/test_distributed.py tests/test_step_agreement.py tests/test_trainers.py \
+	tests/test_gpu_check.py::test_the_cpu_rehearsal_of_stage_1
+FLOOR_LANE = .venv-floor/bin/python -m pytest $(FLOOR_TESTS)
+
+.PHONY: help install lab test test-unit test-notebooks unit nbval workshop-lane floor-lane notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
 
 help:
 	@echo "make lab        set up if needed, then JupyterLab on notebooks/ (token auth, prints the URL)"
@@ -76,9 +83,13 @@ test-unit:
 test-notebooks:
 	$(NBVAL)
 	$(WORKSHOP_LANE)
+	$(FLOOR_LANE)
 
 workshop-lane: install
 	$(WORKSHOP_LANE)
+
+floor-lane: install
+	$(FLOOR_LANE)
 
 notebooks: install
 	@bash scripts/run_notebooks.sh

@@ -23,6 +23,15 @@ stamp="$(sha256sum "$list" | cut -c1-16) python $pyver"
 if [[ -f $dest/BUNDLE && $(cat "$dest/BUNDLE") == "$stamp" ]]; then
   echo "gpu-bundle: $dest is already built from this list for Python $pyver"
 else
+  # DeepSpeed's wheel is built by $build_py (its setup.py imports torch; bdist_wheel comes from setuptools >= 70.1
+  # or the wheel package): say which is missing in one line rather than "40 wheels for 41 pins" at the end.
+  for need in torch "setuptools.command.bdist_wheel|wheel"; do
+    if ! "$build_py" -c "import importlib.util as u, sys; sys.exit(not any(u.find_spec(m) for m in '$need'.split('|')))" 2>/dev/null; then
+      echo "error: gpu-bundle: $build_py cannot build DeepSpeed's wheel: it has no ${need//|/ or } (make install, then" \
+        "make gpu-bundle uses .venv; or BUILD_PYTHON=a Python with torch, setuptools >= 70.1 or wheel)" >&2
+      exit 2
+    fi
+  done
   rm -f "$dest"/*.whl "$dest/BUNDLE"
   # Binary wheels for glibc 2.28 and newer (RHEL 8, Ubuntu 20.04 and later compute nodes); pure ones fit any.
   grep -v '^deepspeed==' <<<"$pins" >"$dest/.pins"

@@ -6,6 +6,7 @@
 #   3. the tutorial package, editable
 #   4. Horovod, built from source by scripts/install_horovod.sh (cached wheel)
 #   5. a Jupyter kernel "tutorial" registered inside the venv, used by JupyterLab and nbval
+#   6. .venv-floor: the oldest torch the workbook supports over the venv's other packages (scripts/torch_floor.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -83,4 +84,6 @@ if [[ ! -f $kernel ]] || ! grep -q "$(cd "$VENV" && pwd)/bin/python" "$kernel"; 
   "$VENV/bin/python" -m ipykernel install --sys-prefix --name tutorial --display-name "Python (distributed tutorial)" >/dev/null
   say "registered Jupyter kernel 'tutorial'"
 fi
+# 6. the oldest supported torch, for make test's floor lane: an overlay of the venv (about 0.5 GB, once)
+VENV=$VENV bash scripts/torch_floor.sh
 say "ready ($VENV)"

@@ -22,7 +22,7 @@ START = f"""
 import datetime, torch, torch.distributed as dist, torch.distributed.debug
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds={GROUP_TIMEOUT_S}))
 rank = dist.get_rank()
-torch.distributed.debug.start_debug_server(port=debug_port, start_method="spawn", fetch_timeout=10)
+torch.distributed.debug.start_debug_server(port=debug_port, start_method="spawn")
 """
 
 HANGS = {

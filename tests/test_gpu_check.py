@@ -103,6 +103,33 @@ def test_a_check_the_stage_budget_cannot_fit_is_a_recorded_skip(tmp_path):
     assert "not started" in line["results"]["skipped"] and "seconds" not in line["results"]
 
 
+def test_a_check_the_stage_budget_cuts_short_is_a_recorded_skip_naming_the_budget(tmp_path):
+    """A check that starts but meets the end of the stage's budget before its own timeout was recorded as a FAIL,
+    "timed out", like a hang; it is a skip that names the budget. The control: the same check within a budget that
+    leaves it its own timeout is the FAIL of a hang (control-hang sleeps for an hour; its own timeout is 3 s)."""
+    for budget, status in ((2, "skip"), (30, "FAIL")):
+        results = tmp_path / str(budget)
+        _cli("--rehearse", "--only", "control-hang", "--budget", str(budget), "--results-dir", str(results))
+        line = json.loads((results / "gpu_check.jsonl").read_text())["results"]
+        assert line["status"] == status and line["timed_out"], line
+        assert ("cut at the stage's budget: 2 s were left of 2 s" in line.get("skipped", "")) == (status == "skip")
+
+
+def test_compile_checks_are_skipped_where_the_node_cannot_compile(monkeypatch, tmp_path):
+    """torch.compile needs a C compiler and Python.h on the node; without them the compile checks are recorded skips
+    that say what is missing, before anything starts. The control: with both, a one-line compile decides."""
+    monkeypatch.setattr(gpucheck, "_compile_checked", [])
+    monkeypatch.setenv("CC", "gpucheck-no-such-compiler")
+    assert "gpucheck-no-such-compiler is not on PATH" in gpucheck.missing(("compile",))
+    names = [c.name for c in gpucheck.plan(1, tmp_path) if "compile" in c.needs]
+    assert names and all("compile" in n for n in names)
+    monkeypatch.setattr(gpucheck, "_compile_checked", [])
+    monkeypatch.setenv("CC", "true")  # a program that exists: the headers decide next
+    import sysconfig
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    assert f"{tmp_path / 'Python.h'} does not exist" in gpucheck.missing(("compile",))
+
+
 # ------------------------------------------------------------------------------------------------ the claims
 GOOD = dict(device="cuda:0", world_size=2, replicas_identical=True, replica_checksums=["x", "x"], test_accuracy=0.9,
             epochs=[dict(train_loss=2.2, test_loss=2.0, samples_per_second=900.0),
@@ -180,6 +207,17 @@ def test_the_bundle_is_pinned_under_60_mib_and_carries_only_what_the_node_lacks(
     if stamp.exists() and stamp.read_text().split()[0] == hashlib.sha256(BUNDLE_LIST.read_bytes()).hexdigest()[:16]:
         wheels = list(built.glob("*.whl"))
         assert len(wheels) == len(pins) and sum(w.stat().st_size for w in wheels) <= 60 * MiB
+
+
+def test_a_bundle_build_without_its_build_tools_says_which_in_one_line(tmp_path):
+    """make gpu-bundle on a machine without .venv used the system python3 (no torch, no wheel) and ended with only
+    "40 wheels for 41 pins"; now the missing tool is named before anything is downloaded. A bare venv stands in."""
+    subprocess.run([PYTHON, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    proc = subprocess.run(["bash", "scripts/gpu_bundle.sh"], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                          env=dict(env(), WHEELS=str(tmp_path / "wheels"), BUILD_PYTHON=str(tmp_path / "bare/bin/python")))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "cannot build DeepSpeed's wheel: it has no torch" in lines[0]
+    assert not list((tmp_path / "wheels").glob("*.whl"))
 
 
 def _bundle_for_this_python() -> Path:

@@ -92,6 +92,8 @@ def plan(gpus: int, out: Path, rehearse: bool = False, visible: list[str] | None
         """A trainer launched as people launch it; a multi-rank launch costs ~1.5 s more per extra rank."""
         if rehearse:  # on the CPU: no compile, and fp32 for fp16 (which needs a GPU), in the same launch
             args = ["fp32" if a == "fp16" else a for a in args if a != "--compile"]
+        if "--compile" in args:  # a node without a C compiler or Python's headers: a recorded skip, not a FAIL
+            kw["needs"] = (*kw.get("needs", ()), "compile")
         run = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else [PY]
         where = str(out / name)
         command = [*run, "-m", f"tutorial.train_{stage}", *(preset or base), *args,
@@ -313,7 +315,40 @@ def missing(needs) -> str:
             ok, why = horovod_nccl()
             if not ok:
                 return why
+        if need == "compile":
+            why = compile_unready()
+            if why:
+                return why
     return ""
+
+
+_compile_checked: list[str] = []  # compile_unready's answer, once per stage
+
+
+def compile_unready() -> str:
+    """Why torch.compile cannot work here ("" if it can): inductor (and on GPUs Triton's launcher) compiles C on first
+    use, which needs a C compiler and Python's headers, neither of which a compute node is sure to have; then a
+    one-line compile on the device proves the rest. Asked once per stage."""
+    if not _compile_checked:
+        import sysconfig
+        headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+        compiler = os.environ.get("CC") or "gcc"
+        if not shutil.which(compiler):
+            why = f"torch.compile needs a C compiler and {compiler} is not on PATH (module load gcc, or set CC)"
+        elif not headers.exists():
+            why = f"torch.compile needs Python's headers and {headers} does not exist (the python3-dev package)"
+        else:
+            tiny = ("import torch; device = 'cuda' if torch.cuda.is_available() else 'cpu'; "
+                    "f = torch.compile(lambda x: x * 2 + 1); assert f(torch.ones(8, device=device)).sum().item() == 24")
+            try:
+                proc = subprocess.run([PY, "-c", tiny], capture_output=True, text=True, timeout=300)
+                failed = proc.returncode != 0
+                last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            except subprocess.TimeoutExpired:
+                failed, last = True, "it did not finish within 300 s"
+            why = f"a one-line torch.compile fails here: {last}" if failed else ""
+        _compile_checked.append(why)
+    return _compile_checked[0]
 
 
 def _program(name: str) -> str:
@@ -420,6 +455,9 @@ def probe(rehearse: bool) -> int:
                                       memory_gib=round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)))
     for program in ("nvidia-smi", "nvcc", "gcc", "mpirun", "horovodrun", "py-spy", "cmake"):
         found["programs"][program] = shutil.which(program)
+    import sysconfig
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    found["python_h"] = str(headers) if headers.exists() else None  # torch.compile builds C against it
     for package in ("torchvision", "lightning", "deepspeed", "horovod", "ipyparallel", "ipykernel", "nbclient",
                     "mpi4py", "tensorboard", "sklearn", "matplotlib", "psutil", "filelock", "tqdm"):
         spec = importlib.util.find_spec(package)
@@ -543,7 +581,12 @@ def run_stage(todo: list[Check], args, gpus: int, out: Path, argv) -> int:
             result = dict(status="skip", skipped=f"not started: {left:.0f} s of the stage's {args.budget:.0f} s left,"
                                                  f" estimate {check.estimate:.0f} s")
         else:
-            result = run_check(check, min(check.timeout, left), env, keep)
+            limit = min(check.timeout, left)
+            result = run_check(check, limit, env, keep)
+            if result.get("timed_out") and limit < check.timeout:  # the stage's budget ended it, not a hang
+                result.update(status="skip", skipped=f"cut at the stage's budget: {limit:.0f} s were left of "
+                                                     f"{args.budget:.0f} s (estimate {check.estimate:.0f} s); run "
+                                                     f"it alone with ARGS='--only {check.name}'")
         result = dict(check=check.name, stage=args.stage, estimate_seconds=check.estimate, **result)
         counts[result["status"]] += 1
         extra = (f"  {result['samples_per_second']:.0f} samples/s" if _finite(result.get("samples_per_second"))

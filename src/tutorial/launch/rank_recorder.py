@@ -564,4 +564,19 @@ def _lr_probe(argv: list[str], folder: str) -> None:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1:], os.environ.get(DIR_VARIABLE, "."))
+    # The script's own exit code, without the interpreter's teardown (core.process.exit_process): a rank that
+    # finished and was recorded could still abort there (SIGABRT, pytorch issue 190489; seen in CI on 2026-11-27
+    # under load), and torchrun then stops the other ranks mid-run, which check-ddp would read as their mistake.
+    from ..core.process import exit_process
+    code = 0
+    try:
+        run(sys.argv[1:], os.environ.get(DIR_VARIABLE, "."))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - the script's error: its traceback, as Python would print it
+        import traceback
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
