@@ -93,3 +93,22 @@ def test_nccl_is_refused_only_where_two_ranks_would_really_share_a_gpu():
     refused = exchange(["n1/GPU-aaaa", "n1/GPU-aaaa", "n1/GPU-bbbb"])
     assert all(r and r.startswith("ranks 0, 1 would use the same GPU: NCCL cannot put two ranks on one GPU")
                for r in refused), refused
+
+
+def test_this_torch_is_in_the_supported_range_and_the_floor_lane_runs_the_floor():
+    """The supported torch range is declared once, pyproject.toml's "torch>=X.Y", no higher than the lent GPU node's
+    2.11; make test's floor lane (.venv-floor, scripts/torch_floor.sh) runs this file and others on exactly that
+    floor, which this test checks from inside the lane (so an overlay that fell back to .venv's torch fails here)."""
+    import re
+    import sys
+    from pathlib import Path
+
+    import torch
+    root = Path(__file__).resolve().parents[1]
+    floor = re.search(r'"torch>=(\d+)\.(\d+)"', (root / "pyproject.toml").read_text())
+    assert floor and (int(floor[1]), int(floor[2])) <= (2, 11)
+    here = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    assert here >= (int(floor[1]), int(floor[2]))
+    if Path(sys.prefix).name == ".venv-floor":
+        assert here == (int(floor[1]), int(floor[2])) and ".venv-floor" in torch.__file__, torch.__file__
+    assert f"torch {floor[1]}.{floor[2]}" in (root / "README.md").read_text()  # said where people read it
