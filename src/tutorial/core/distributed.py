@@ -97,10 +97,24 @@ def hold_port() -> int:
     may be taken in between by any process on the node (issue 38: rank 0 then fails, its peers wait). A new call
     replaces the previous store: a second process group on one store would find the first one's keys."""
     global _held
-    _held = None  # release the previous server before the next one binds
-    _held = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    return _held.port
+    timeout = datetime.timedelta(seconds=60)
+    refused = []  # kept open until a port is found, so that the OS does not hand the same one out again
+    for _ in range(20):
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False,
+                              timeout=timeout)
+        try:
+            # What the rendezvous will do: find this server in torch's per-process cache of multi-tenant servers.
+            # That cache keeps the entry of an earlier server on the same port after it closed and does not replace
+            # it, so where the OS hands out such a port again, the rendezvous would bind it anew and fail with
+            # EADDRINUSE (seen in 3 of 192 holds in a row here, and once in make test).
+            dist.TCPStore("127.0.0.1", store.port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                          timeout=timeout)
+        except RuntimeError:
+            refused.append(store)
+            continue
+        _held = store  # the previous one closes now, after this one is bound: the OS cannot give its port back here
+        return store.port
+    raise RuntimeError("no port could be held for the rendezvous in 20 tries (torch's multi-tenant store cache)")
 
 
 def rendezvous(world: World) -> None:

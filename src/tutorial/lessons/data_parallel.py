@@ -35,7 +35,8 @@ def data_parallel_by_hand(model: nn.Module, X: torch.Tensor, y: torch.Tensor, re
     outputs, threads_seen = [None] * replicas, [None] * replicas
 
     def forward(i):                                             # parallel_apply: one Python thread per replica
-        threads_seen[i] = (os.getpid(), threading.get_ident())
+        # the OS thread id: Python's get_ident() of a finished thread is handed to the next one at once
+        threads_seen[i] = (os.getpid(), threading.get_native_id())
         outputs[i] = copies[i](inputs[i])
 
     threads = [threading.Thread(target=forward, args=(i,)) for i in range(replicas)]
