@@ -89,7 +89,7 @@ def test_every_srun_gets_the_cores_the_job_asked_for(recipe, tmp_path):
     bin_dir, work = tmp_path / "bin", tmp_path / "work"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(STUB)
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node01\necho node02\n")
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'node01\\nnode02\\n'\n")  # one write, as scontrol's
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
     (work / ".venv" / "bin").mkdir(parents=True)
