@@ -235,7 +235,7 @@ def test_engine_killed_mid_run_gives_a_clear_error(local):
     assert info.value.rank == 1
     assert not psutil.pid_exists(victim.pid)
     assert local.run(train_ddp.main, TrainConfig.preset("smoke", epochs=1, max_steps=2))["world_size"] == 2
-    assert local.view.apply_sync(os.environ.get, "TUTORIAL_KEPT") == ["across restarts"] * 2
+    assert local.view.apply_sync(os.getenv, "TUTORIAL_KEPT") == ["across restarts"] * 2
 
 
 def test_interrupt_of_code_that_never_looks_at_the_stop_flag_ends_it_with_a_keyboard_interrupt(local, helpers,
