@@ -156,7 +156,7 @@ def resume_path(cfg: TrainConfig) -> str | None:
     """Lightning's checkpoint to continue from: out/checkpoint.ckpt for --resume (auto), once it exists."""
     path = os.path.join(cfg.out, "checkpoint.ckpt") if cfg.resume == "auto" and cfg.out else cfg.resume
     if path:  # every rank must find the same file (node-local disks would let them differ)
-        checkpoint.agree_on_resume(path, checkpoint.fingerprint(path) if os.path.isfile(path) else "no checkpoint")
+        checkpoint.agree_on_resume(path)
     if cfg.resume == "auto" and not os.path.isfile(path or ""):
         checkpoint.starting_fresh(path or "(no --out)")
         return None

@@ -92,19 +92,18 @@ def starting_fresh(path: str) -> State:
     return State()
 
 
-def fingerprint(path: str) -> str:
-    """What a rank found at path, to compare with the other ranks': the file's size and content digest."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return f"a checkpoint of {os.path.getsize(path)} bytes, sha256 {digest.hexdigest()[:12]}"
-
-
-def agree_on_resume(path: str, found: str) -> None:
+def agree_on_resume(path: str) -> None:
     """With --resume every rank reads `path` from its own view of the file system. Where out/ is on node-local disks,
     one rank may resume while another starts fresh, or two load different checkpoints: replicas that silently
-    differ. So the ranks compare what they found (one small all-gather) and all stop together when they disagree."""
+    differ. So the ranks compare what they found there, its size and content digest (one small all-gather), and all
+    stop together when they disagree."""
+    found = "no checkpoint"
+    if os.path.isfile(path):
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        found = f"a checkpoint of {os.path.getsize(path)} bytes, sha256 {digest.hexdigest()[:12]}"
     seen = gather_over_ranks(found)
     if len(set(seen)) > 1:
         ranks: dict[str, list[str]] = {}
@@ -120,7 +119,7 @@ def resume(cfg: TrainConfig, model, optimizer, scaler, device: torch.device) -> 
     path = cfg.resume_path
     if not path:
         return State()
-    agree_on_resume(path, found=fingerprint(path) if os.path.isfile(path) else "no checkpoint")
+    agree_on_resume(path)
     if not os.path.isfile(path):
         if cfg.resume == "auto":
             return starting_fresh(path)

@@ -298,9 +298,4 @@ def all_reduce_mean(value: float, device: torch.device) -> float:
 
 def replica_checksums(model) -> list[str]:
     """Every rank's checksum, gathered on every rank (the replica sync check)."""
-    digest = checksum(model)
-    if not dist.is_initialized():
-        return [digest]
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
-    return digests
+    return gather_over_ranks(checksum(model))

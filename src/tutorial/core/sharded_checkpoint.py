@@ -23,7 +23,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from .checkpoint import State, agree_on_resume, fingerprint, starting_fresh
+from .checkpoint import State, agree_on_resume, starting_fresh
 from .config import ConfigError, TrainConfig, first_line
 
 
@@ -127,7 +127,7 @@ def _existing(cfg: TrainConfig, kind: str, marker: str) -> str:
     if not path:
         return ""
     marked = os.path.join(path, marker)  # written last: it names a complete checkpoint
-    agree_on_resume(path, found=fingerprint(marked) if os.path.isfile(marked) else "no checkpoint")
+    agree_on_resume(marked)
     if not os.path.exists(marked):
         if cfg.resume == "auto" and not os.path.exists(path):
             starting_fresh(path)
