@@ -1,0 +1,136 @@
+"""The simulated-GPU lane of `make test`: a pytest plugin for `pytest --nbval-lax -p lane` with this folder on
+PYTHONPATH and TUTORIAL_SIMGPU set (simgpu.py simulates the GPUs in every process the notebooks start).
+
+It marks each cell's start in the record of process groups, then after a notebook's last cell checks what its
+launches did against README's allocation table (RULES, read from the README by tests/test_simulated_gpus.py) and the
+notebook's own promises (PROMISES). A broken check is an error of the notebook's last cell.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+RECORD = Path(os.environ.setdefault("TUTORIAL_SIMGPU_RECORD", str(Path("runs/simgpu").resolve() / "record.jsonl")))
+
+# What a notebook promises beyond the table: {notebook: [(from cell, what, check(record) -> problem or None)]}.
+
+
+def _carries(*names):
+    def check(entry):
+        missing = [n for n in names if n not in entry["env"]]
+        return f"rank {entry['rank']}'s NCCL group lacks {', '.join(missing)}" if missing else None
+    return check
+
+
+PROMISES = {
+    # 10 [45]: the flight recorder's variables reach every NCCL group made afterwards, restarted engines included
+    "10_when_things_go_wrong": [(45, "NCCL flight recorder set on the engines", lambda e: e["backend"] == "nccl",
+                                 _carries("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"))],
+}
+
+
+def groups(entries: list[dict]) -> dict[str, list[dict]]:
+    by = defaultdict(list)
+    for e in entries:
+        if "group" in e:
+            by[e["group"]].append(e)
+    return by
+
+
+def table_problems(entries: list[dict]) -> list[str]:
+    """README's table, checked per process group of 2 or more ranks that see a GPU:
+    - every rank sees a GPU of its own (node GPUs >= ranks, or one bound per task): NCCL, one rank per GPU;
+    - ranks share a GPU (one GPU per attendee): gloo (NCCL refuses; the simulation refuses as NCCL does);
+    - no GPU seen: gloo on the CPU."""
+    problems = []
+    for gid, members in groups(entries).items():
+        first = members[0]
+        if first["world"] < 2 or len(members) < first["world"]:
+            continue
+        where = f"cell {first.get('cell', '?')}: {first['kind']} of {first['world']} ranks"
+        own = [m["uuids"][m["current"]] if m["uuids"] else None for m in members]
+        if any(u is None for u in own):
+            if first["backend"] == "nccl":
+                problems.append(f"{where}: NCCL on a rank that sees no GPU")
+            continue
+        distinct = len(set(own)) == len(own)
+        if distinct and first["backend"] != "nccl" and first["node_gpus"] >= first["world"] \
+                and not first["env"].get("TUTORIAL_SIMGPU_GLOO_OK"):
+            problems.append(f"{where}: every rank has a GPU of its own ({first['node_gpus']} on the node), but "
+                            f"the backend is {first['backend']} (README: one rank per GPU, NCCL)")
+        if not distinct and first["backend"] == "nccl":
+            problems.append(f"{where}: NCCL with ranks sharing a GPU")
+    return problems
+
+
+def read(record: Path) -> list[dict]:
+    if not record.exists():
+        return []
+    return [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
+
+
+def by_notebook(entries: list[dict]) -> dict[str, list[dict]]:
+    """Entries after each cell marker belong to that cell of that notebook."""
+    out, notebook, cell = defaultdict(list), None, None
+    for e in sorted(entries, key=lambda e: e["time"]):
+        if e.get("kind") == "cell":
+            notebook, cell = e["notebook"], e["cell"]
+            continue
+        if notebook:
+            out[notebook].append(dict(e, cell=cell))
+    return out
+
+
+def problems_of(notebook: str, entries: list[dict]) -> list[str]:
+    problems = table_problems(entries)
+    for start, what, applies, check in PROMISES.get(notebook, []):
+        for e in entries:
+            if e.get("cell", -1) >= start and applies(e) and check(e):
+                problems.append(f"{what} (cell {start}), but cell {e['cell']}: {check(e)}")
+    refused = [e for e in entries if e.get("refused")]
+    problems += [f"cell {e['cell']}: rank {e.get('rank', '?')} refused: {e['refused']}" for e in refused]
+    return problems
+
+
+def _cell_index(item) -> int:
+    """The cell's index in the notebook (nbval's "Cell N" counts code cells only)."""
+    cells = getattr(getattr(item, "parent", None), "nb", {}).get("cells", [])
+    return next((i for i, c in enumerate(cells) if c is getattr(item, "cell", None)), -1)
+
+
+_last: dict[str, str] = {}
+
+
+def pytest_configure(config):
+    RECORD.parent.mkdir(parents=True, exist_ok=True)
+    RECORD.write_text("")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if str(item.fspath).endswith(".ipynb"):
+            _last[Path(str(item.fspath)).stem] = item.nodeid
+
+
+def pytest_runtest_setup(item):
+    if str(item.fspath).endswith(".ipynb"):
+        import time
+
+        with open(RECORD, "a") as f:
+            f.write(json.dumps(dict(kind="cell", notebook=Path(str(item.fspath)).stem, cell=_cell_index(item),
+                                    time=time.time())) + "\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    notebook = Path(str(item.fspath)).stem
+    if _last.get(notebook) == item.nodeid:
+        problems = problems_of(notebook, by_notebook(read(RECORD)).get(notebook, []))
+        if problems:
+            pytest.fail(f"simulated {os.environ.get('TUTORIAL_SIMGPU')} GPU(s), {notebook}:\n  " +
+                        "\n  ".join(problems), pytrace=False)

@@ -1,0 +1,670 @@
+"""Simulated GPUs on a CPU-only machine: the GPU branch of every cell, helper, launch and trainer, executed.
+
+TUTORIAL_SIMGPU=N gives the node N GPUs; CUDA_VISIBLE_DEVICES picks among them as on a real node (indices; unset:
+all; empty: none), so a per-task binding (each rank its own GPU as cuda:0) and a shared node's subset behave as they
+would. What is simulated, and how:
+
+- the queries: torch.cuda's and torch.accelerator's (count, current device, properties with a UUID per physical
+  GPU, capability, bf16, memory), as NVIDIA's driver would answer them;
+- CUDA tensors: a tensor moved or created on "cuda" is a CPU tensor whose class says cuda:<index> (SimCuda); every
+  torch call made with tensors on two devices fails as CUDA would ("Expected all tensors to be on the same device");
+- NCCL: a process group asked for NCCL is made with gloo and remembered as NCCL. Its ranks compare their GPUs'
+  UUIDs first and fail as NCCL does when two share one ("Duplicate GPU detected"); a collective given a CPU tensor on
+  it fails as NCCL does ("No backend type associated with device type cpu"). get_backend answers "nccl".
+
+Every process group made is recorded, one JSON line per rank in $TUTORIAL_SIMGPU_RECORD: the backend asked and the
+device, the GPUs the rank sees, its environment's GPU and NCCL variables, and whether it was refused. The lane
+(tests/simgpu/lane.py) checks the records against README's allocation table.
+
+What it cannot show: kernels, speed, memory use, numerics of CUDA (tf32, bf16 kernels); autocast("cuda") changes no
+dtype here. Those are gpu-check's, on a real GPU.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import types
+
+ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_NCCL", "TORCH_FR", "LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_LOCALID",
+                "OMPI_COMM_WORLD_LOCAL_RANK", "TUTORIAL_")
+GPU_NAME = os.environ.get("TUTORIAL_SIMGPU_NAME", "NVIDIA H100 80GB HBM3 (simulated)")
+CAPABILITY = tuple(int(x) for x in os.environ.get("TUTORIAL_SIMGPU_CAPABILITY", "9.0").split("."))
+MEMORY = 80 * 2**30
+
+
+def physical() -> list[int]:
+    """The node's GPUs this process sees, by physical index, in CUDA_VISIBLE_DEVICES's order (read at each call:
+    the engines set it before their first CUDA call, as the real driver reads it at initialisation)."""
+    count = int(os.environ["TUTORIAL_SIMGPU"])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    chosen = []
+    for item in visible.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) >= count:
+            break  # the driver stops at the first index it does not know
+        chosen.append(int(item))
+    return chosen
+
+
+def uuid(index: int) -> str:
+    return f"GPU-5133d0{physical()[index]:02d}-0000-4000-8000-00000000000{physical()[index] % 10}"
+
+
+_current = threading.local()
+
+
+def current_device() -> int:
+    return getattr(_current, "index", 0)
+
+
+def _check_index(device) -> int:
+    import torch
+
+    if isinstance(device, torch.device):
+        device = device.index if device.index is not None else current_device()
+    elif isinstance(device, str):
+        device = torch.device(device).index or 0
+    elif device is None:
+        device = current_device()
+    if not 0 <= device < len(physical()):
+        raise RuntimeError(f"CUDA error: invalid device ordinal {device} (simulated: {len(physical())} visible)")
+    return device
+
+
+def set_device(device) -> None:
+    _current.index = _check_index(device)
+
+
+def properties(device=None):
+    index = _check_index(device)
+    return types.SimpleNamespace(name=GPU_NAME, total_memory=MEMORY, major=CAPABILITY[0], minor=CAPABILITY[1],
+                                 multi_processor_count=132, uuid=uuid(index), is_integrated=False,
+                                 L2_cache_size=50 * 2**20, gcnArchName="")
+
+
+class Event:
+    """torch.cuda.Event: times with the host clock (the simulated GPU has no queue of its own)."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1000.0
+
+
+class Stream:
+    def __init__(self, device=None, priority=0, **_):
+        self.device = device
+
+    def synchronize(self):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        event = event or Event()
+        event.record()
+        return event
+
+    def query(self):
+        return True
+
+    def is_capturing(self):
+        return False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_generators: dict = {}
+
+
+def _generator(device=None):
+    """The random number generator of a simulated GPU: a CPU generator per device (what CUDA's draws would be is
+    not simulated, only that each device has its own state to save and restore)."""
+    import torch
+
+    index = _check_index(device if device not in ("cuda",) else None)
+    if index not in _generators:
+        _generators[index] = torch.Generator()
+    return _generators[index]
+
+
+def _patch_cuda(torch) -> None:
+    cuda = torch.cuda
+    zero = lambda *a, **k: 0  # noqa: E731  (the simulated GPU allocates nothing of its own)
+    nothing = lambda *a, **k: None  # noqa: E731
+    patches = dict(
+        is_available=lambda: bool(physical()), device_count=lambda: len(physical()), current_device=current_device,
+        set_device=set_device, get_device_properties=properties,
+        get_device_name=lambda device=None: properties(device).name,
+        get_device_capability=lambda device=None: (properties(device).major, properties(device).minor),
+        is_bf16_supported=lambda including_emulation=True: CAPABILITY >= (8, 0), is_initialized=lambda: True,
+        _lazy_init=nothing, init=nothing, synchronize=nothing, empty_cache=nothing, ipc_collect=nothing,
+        memory_allocated=zero, max_memory_allocated=zero, memory_reserved=zero, max_memory_reserved=zero,
+        reset_peak_memory_stats=nothing, reset_max_memory_allocated=nothing, reset_accumulated_memory_stats=nothing,
+        memory_stats=lambda device=None: {}, mem_get_info=lambda device=None: (MEMORY, MEMORY),
+        Event=Event, Stream=Stream, current_stream=lambda device=None: Stream(device),
+        default_stream=lambda device=None: Stream(device), stream=lambda s=None: Stream(),
+        get_rng_state=lambda device="cuda": _generator(device).get_state(),
+        set_rng_state=lambda state, device="cuda": _generator(device).set_state(state),
+        get_rng_state_all=lambda: [_generator(i).get_state() for i in range(len(physical()))],
+        set_rng_state_all=lambda states: [_generator(i).set_state(s) for i, s in enumerate(states)],
+        manual_seed=lambda seed: _generator().manual_seed(seed),
+        manual_seed_all=lambda seed: [_generator(i).manual_seed(seed) for i in range(len(physical()))],
+        seed=lambda: _generator().seed(), seed_all=lambda: [_generator(i).seed() for i in range(len(physical()))],
+        initial_seed=lambda: _generator().initial_seed(),
+        get_arch_list=lambda: ["sm_90"], is_current_stream_capturing=lambda: False, set_stream=nothing,
+    )
+    for name, value in patches.items():
+        setattr(cuda, name, value)
+    cuda.device = _DeviceContext
+    torch.Stream, torch.Event = Stream, Event
+    _patch_data_parallel(torch)
+    acc = torch.accelerator
+    for name, value in dict(is_available=lambda: bool(physical()), device_count=lambda: len(physical()),
+                            current_device_index=current_device, current_device_idx=current_device,
+                            set_device_index=set_device, set_device_idx=set_device, synchronize=nothing,
+                            current_stream=lambda device=None: Stream(device), set_stream=nothing,
+                            device_index=_DeviceContext,
+                            current_accelerator=lambda check_available=False: torch.device("cuda")
+                            if physical() else None).items():
+        if hasattr(acc, name):
+            setattr(acc, name, value)
+
+
+class _DeviceContext:
+    """torch.cuda.device(i): makes i current inside the block."""
+
+    def __init__(self, device):
+        self.index = _check_index(device) if device is not None and device != -1 else None
+
+    def __enter__(self):
+        self.before = current_device()
+        if self.index is not None:
+            set_device(self.index)
+
+    def __exit__(self, *exc):
+        set_device(self.before)
+        return False
+
+
+def _patch_data_parallel(torch) -> None:
+    """DataParallel's copies between GPUs (torch.nn.parallel.comm, C++ with CUDA streams), done on the host."""
+    from torch.nn.parallel import comm
+
+    def index(device):
+        return None if device in (-1, "cpu") else _where(device)
+
+    def scatter(tensor, devices, chunk_sizes=None, dim=0, streams=None, out=None):
+        with torch._C.DisableTorchFunction():
+            chunks = tensor.split(list(chunk_sizes), dim) if chunk_sizes else tensor.chunk(len(devices), dim)
+        return tuple(_move(chunk.contiguous(), index(d)) for chunk, d in zip(chunks, devices))
+
+    def gather(tensors, dim=0, destination=None, out=None):
+        with torch._C.DisableTorchFunction():
+            joined = torch.cat([t.as_subclass(torch.Tensor) for t in tensors], dim)
+        return _tag(joined, index(destination if destination is not None else current_device()))
+
+    def broadcast_coalesced(tensors, devices, buffer_size=10485760):
+        return [[_move(t, index(d)) if on(t) != index(d) else t for t in tensors] for d in devices]
+
+    def reduce_add_coalesced(inputs, destination=None, buffer_size=10485760):
+        with torch._C.DisableTorchFunction():
+            sums = [functools.reduce(torch.add, [t.as_subclass(torch.Tensor) for t in same]) for same in zip(*inputs)]
+        return [_tag(s, index(destination if destination is not None else current_device())) for s in sums]
+
+    comm.scatter, comm.gather, comm.broadcast_coalesced, comm.reduce_add_coalesced = \
+        scatter, gather, broadcast_coalesced, reduce_add_coalesced
+
+
+# -- CUDA tensors ------------------------------------------------------------------------------------------------
+
+
+def _tensor_classes(torch):
+    class SimCuda(torch.Tensor):
+        """A CPU tensor that says it lives on cuda:<index>."""
+
+        _sim_index = 0
+
+        @property
+        def device(self):
+            return torch.device("cuda", self._sim_index)
+
+        @property
+        def is_cuda(self):
+            return True
+
+        def record_stream(self, stream):  # reached with torch functions off (inside autograd Functions)
+            return None
+
+        def get_device(self):
+            return self._sim_index
+    return SimCuda
+
+
+SimCuda = None
+METADATA = {"_has_compatible_shallow_copy_type", "__get__", "__set__", "copy_", "set_", "is_same_size",
+            "is_pinned", "__repr__", "__format__", "_make_subclass", "__reduce_ex__", "__deepcopy__", "__setstate__"}
+
+
+def on(t):
+    """The simulated CUDA index a tensor is on, None for the CPU."""
+    return t._sim_index if type(t) is SimCuda else None
+
+
+def _tag(t, index):
+    """Make t (a new tensor of an op) say cuda:index."""
+    import torch
+
+    if index is not None and isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter):
+        if type(t) is torch.nn.Parameter:
+            t._is_param = True  # isinstance(t, nn.Parameter) still holds (Parameter's metaclass reads it)
+        t.__class__ = SimCuda
+        t._sim_index = index
+    return t
+
+
+def _move(t, index):
+    """A copy of t on simulated cuda:index (None: the CPU)."""
+    import torch
+
+    with torch._C.DisableTorchFunction():
+        t = t.clone()
+    if index is None:
+        t.__class__ = torch.Tensor
+        return t
+    t.__class__ = SimCuda
+    t._sim_index = index
+    return t
+
+
+def _where(dev):
+    """A device argument as a simulated index (None: the CPU), or False where it names no device."""
+    import torch
+
+    if isinstance(dev, int) and not isinstance(dev, bool):
+        return _check_index(dev)
+    if isinstance(dev, str):
+        try:
+            dev = torch.device(dev)
+        except RuntimeError:
+            return False
+    if isinstance(dev, torch.device):
+        if dev.type == "cuda":
+            return _check_index(dev)
+        return None
+    return False
+
+
+def _mode_class(torch):
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_flatten, tree_map_only
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types_, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", "")
+            if name in ("to", "cuda", "cpu") and args and isinstance(args[0], torch.Tensor):
+                return _transfer(torch, name, args, kwargs)
+            if name == "pin_memory" and args:
+                return args[0]  # pinned host memory needs the driver; the simulation has nothing to pin for
+            if name == "record_stream":
+                return None
+            if name in ("__deepcopy__", "__reduce_ex__") and type(args[0]) is SimCuda:
+                return _as_cpu_tensor(args[0], name, args[1:], kwargs)  # a copy moved back; a save as on the CPU
+            if name == "numpy" and type(args[0]) is SimCuda:
+                raise TypeError(f"can't convert cuda:{on(args[0])} device type tensor to numpy. Use Tensor.cpu() to "
+                                "copy the tensor to host memory first. (simulated GPUs)")
+            if name == "get_device" and args:
+                return on(args[0]) if on(args[0]) is not None else -1
+            if name == "__set__" and len(args) == 2 and isinstance(args[1], torch.Tensor):
+                with torch._C.DisableTorchFunction():
+                    func(*args, **kwargs)
+                if on(args[1]) is not None:  # param.data = cuda tensor (what Module.to does): the param moved
+                    _tag(args[0], on(args[1]))
+                elif type(args[0]) is SimCuda:
+                    args[0].__class__ = torch.nn.Parameter if getattr(args[0], "_is_param", False) else torch.Tensor
+                return None
+            flat, _ = tree_flatten((args, kwargs))
+            cuda = {on(t) for t in flat if type(t) is SimCuda}
+            cpu = any(type(t) is not SimCuda and isinstance(t, torch.Tensor) and t.dim() > 0 for t in flat)
+            if name not in METADATA and (len(cuda) > 1 or (cuda and cpu)):
+                seen = [f"cuda:{i}" for i in sorted(cuda)] + (["cpu"] if cpu else [])
+                raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                                   f"{' and '.join(seen)}! (simulated GPUs, in {name})")
+            index = min(cuda) if cuda else None
+            if kwargs.get("device") is not None and _where(kwargs["device"]) is not False:
+                index = _where(kwargs["device"])
+                kwargs = dict(kwargs, device="cpu")
+            if name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor):
+                index = on(args[0])
+            with torch._C.DisableTorchFunction():
+                out = func(*args, **kwargs)
+            if index is None:
+                return out
+            return tree_map_only(torch.Tensor, lambda t: _tag(t, index), out)
+
+    return Mode
+
+
+def _as_cpu_tensor(t, method, args, kwargs):
+    """t.__deepcopy__ / t.__reduce_ex__ done on t as the CPU tensor it is; a deep copy is moved back to its GPU.
+    torch.save so writes CUDA tensors as CPU ones; torch.load(map_location="cuda...") puts them back (_load)."""
+    import torch
+
+    index, state = on(t), {k: t.__dict__.pop(k) for k in ("_sim_index",) if k in t.__dict__}
+    param = getattr(t, "_is_param", False)
+    if param:
+        del t.__dict__["_is_param"]
+    t.__class__ = torch.nn.Parameter if param else torch.Tensor
+    try:
+        out = getattr(t, method)(*args, **kwargs)
+    finally:
+        t.__class__ = SimCuda
+        t.__dict__.update(state)
+        if param:
+            t._is_param = True
+    return _tag(out, index) if method == "__deepcopy__" else out
+
+
+def _patch_profiler(torch) -> None:
+    """The profiler without CUDA activity: the simulated GPU runs no kernels to trace (and CUPTI, asked to trace a
+    GPU that is not there, takes minutes to give up)."""
+    import torch.profiler
+
+    init = torch.profiler.profile.__init__
+
+    @functools.wraps(init)
+    def init_(self, *args, activities=None, **kwargs):
+        if activities is not None:
+            activities = [a for a in activities if a != torch.profiler.ProfilerActivity.CUDA] or None
+        init(self, *args, activities=activities, **kwargs)
+
+    torch.profiler.profile.__init__ = init_
+
+
+def _patch_load(torch) -> None:
+    from torch.utils._pytree import tree_map_only
+
+    load = torch.load
+
+    @functools.wraps(load)
+    def load_(f, map_location=None, *args, **kwargs):
+        index = _where(map_location) if isinstance(map_location, (str, torch.device)) else None
+        if index is None or index is False:
+            return load(f, map_location, *args, **kwargs)
+        return tree_map_only(torch.Tensor, lambda t: _move(t, index), load(f, "cpu", *args, **kwargs))
+
+    torch.load = load_
+
+
+def _transfer(torch, name, args, kwargs):
+    """Tensor.to / .cuda / .cpu: a copy that says where it went (the tensor itself where it is there already)."""
+    t, rest, kwargs = args[0], list(args[1:]), dict(kwargs)
+    index = False  # False: no device named (a dtype change only)
+    if name == "cpu":
+        index = None
+    elif name == "cuda":
+        device = rest[0] if rest else kwargs.get("device")
+        index = _where(device if device is not None else "cuda")
+        rest = []
+        kwargs.pop("device", None)
+    else:
+        for i, a in enumerate(rest):
+            if isinstance(a, torch.Tensor):
+                index, rest[i] = on(a), a.dtype
+                break
+            if not isinstance(a, torch.dtype) and _where(a) is not False:
+                index, rest[i] = _where(a), "cpu"
+                break
+        if kwargs.get("device") is not None:
+            index, kwargs["device"] = _where(kwargs["device"]), "cpu"
+    with torch._C.DisableTorchFunction():
+        out = torch.Tensor.to(t, *rest, **kwargs)
+    if index is False:
+        index = on(t)
+    if on(out) == index and out is t:
+        return t
+    if out is t:  # a real move: a new tensor (a copy, as a transfer between devices makes)
+        with torch._C.DisableTorchFunction():
+            out = t.clone()
+    if index is None:
+        if type(out) is SimCuda:
+            out.__class__ = torch.Tensor
+        return out
+    if type(out) is SimCuda:
+        out._sim_index = index
+        return out
+    return _tag(out, index)
+
+
+_mode = None
+
+
+def enter_mode() -> None:
+    """The mode is per thread (torch keeps its stack per thread): every thread this process starts enters it."""
+    import torch
+
+    if not any(type(m).__name__ == "Mode" and type(m).__module__ == __name__
+               for m in torch.overrides._get_current_function_mode_stack()):
+        _mode.__enter__()
+
+
+def _patch_threads() -> None:
+    run = threading.Thread.run
+
+    @functools.wraps(run)
+    def run_in_mode(self):
+        enter_mode()
+        return run(self)
+
+    threading.Thread.run = run_in_mode
+
+
+# -- NCCL, simulated over gloo, and the record -------------------------------------------------------------------
+
+NCCL_GROUPS: dict = {}  # id(process group) -> "nccl", for the groups made as NCCL
+
+
+def record(entry: dict) -> None:
+    path = os.environ.get("TUTORIAL_SIMGPU_RECORD")
+    if not path:
+        return
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+    entry = dict(entry, pid=os.getpid(), host=socket.gethostname(), time=time.time(), node_gpus=int(os.environ[
+        "TUTORIAL_SIMGPU"]), visible=os.environ.get("CUDA_VISIBLE_DEVICES"), uuids=[uuid(i) for i in range(
+        len(physical()))], current=current_device(), env=env, argv=sys.argv[:3])
+    with open(path, "a") as f:  # one write of one line: lines from many processes do not interleave
+        f.write(json.dumps(entry, default=str) + "\n")
+
+
+def _wants_nccl(backend, device_id) -> bool:
+    text = str(backend or "").lower()
+    if "nccl" in text:
+        return True
+    if backend in (None, "", "undefined"):
+        import torch
+
+        if device_id is not None:
+            return torch.device(device_id).type == "cuda" if not isinstance(device_id, int) else True
+        return False  # torch's default with no device_id: gloo for CPU tensors, NCCL for CUDA ones: gloo stands in
+    return False
+
+
+def _patch_distributed(torch) -> None:
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    init = c10d.init_process_group
+    new_group = c10d.new_group
+    get_backend = c10d.get_backend
+
+    made = [0]
+
+    def described(group, backend, kind):
+        """Record a new group (one line per rank, the group named alike on all its ranks); refuse it where NCCL
+        would: a rank with no GPU, or two ranks on one GPU."""
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        mine = uuid(current_device()) if physical() else None
+        made[0] += 1
+        seen = [None] * world
+        dist.all_gather_object(seen, (mine, socket.gethostname(), os.getpid(), made[0]), group=group)
+        refusal = None
+        if backend == "nccl" and mine is None:
+            refusal = "NCCL: no CUDA GPU visible to this rank (simulated GPUs)"
+        elif backend == "nccl":
+            for other, (theirs, host, _, _) in enumerate(seen):
+                if other != rank and theirs == mine and host == socket.gethostname():
+                    refusal = (f"NCCL error: invalid usage: Duplicate GPU detected : rank {rank} and rank {other} "
+                               f"both on CUDA device {mine} (simulated GPUs)")
+                    break
+        record(dict(kind=kind, backend=backend, rank=rank, world=world, group=f"{seen[0][2]}-{seen[0][3]}",
+                    refused=refusal))
+        if refusal:
+            raise dist.DistBackendError(refusal)
+        if backend == "nccl":
+            NCCL_GROUPS[id(group)] = "nccl"
+
+    @functools.wraps(init)
+    def init_process_group(backend=None, *args, **kwargs):
+        nccl = _wants_nccl(backend, kwargs.get("device_id"))
+        if nccl:
+            backend, kwargs = "gloo", {k: v for k, v in kwargs.items() if k not in ("device_id", "pg_options")}
+        try:
+            init(backend, *args, **kwargs)
+        except Exception as exc:
+            record(dict(kind="init_process_group", backend="nccl" if nccl else str(backend), refused=str(exc)[:300]))
+            raise
+        described(c10d._get_default_group(), "nccl" if nccl else str(backend or "gloo"), "init_process_group")
+
+    @functools.wraps(new_group)
+    def new_group_(ranks=None, timeout=None, backend=None, *args, **kwargs):
+        nccl = "nccl" in str(backend or "").lower() or (backend is None and id(c10d._get_default_group())
+                                                         in NCCL_GROUPS)
+        group = new_group(ranks, timeout, "gloo" if nccl else backend, *args,
+                          **{k: v for k, v in kwargs.items() if not (nccl and k == "pg_options")})
+        if group not in (None, c10d.GroupMember.NON_GROUP_MEMBER):
+            described(group, "nccl" if nccl else str(backend or get_backend(None)), "new_group")
+        return group
+
+    @functools.wraps(get_backend)
+    def get_backend_(group=None):
+        found = group if group is not None else c10d._get_default_group()
+        return "nccl" if id(found) in NCCL_GROUPS else get_backend(group)
+
+    object_device = c10d._get_object_coll_device
+
+    def object_device_(group=None):  # object collectives and barrier stage their bytes on the group's device
+        return "cuda" if id(group or c10d._get_default_group()) in NCCL_GROUPS else object_device(group)
+
+    c10d._get_object_coll_device = object_device_
+    c10d._get_pg_default_device = lambda group=None: torch.device(object_device_(group))
+    for module in (c10d, dist):
+        module.init_process_group, module.new_group, module.get_backend = init_process_group, new_group_, \
+            get_backend_
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
+                 "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+                 "gather", "scatter"):
+        if hasattr(c10d, name):
+            wrapped = _checked(torch, name, getattr(c10d, name))
+            setattr(c10d, name, wrapped)
+            setattr(dist, name, wrapped)
+
+
+def _checked(torch, name, collective):
+    """A collective that fails, as NCCL does, when an NCCL group is given a CPU tensor."""
+    from torch.utils._pytree import tree_flatten
+
+    @functools.wraps(collective)
+    def call(*args, **kwargs):
+        import torch.distributed.distributed_c10d as c10d
+
+        group = kwargs.get("group")
+        if group is None:
+            group = next((a for a in args if isinstance(a, torch.distributed.ProcessGroup)), None)
+        if group is None and c10d.is_initialized():
+            group = c10d._get_default_group()
+        if id(group) in NCCL_GROUPS:
+            flat, _ = tree_flatten((args, kwargs))
+            cpu = [t for t in flat if isinstance(t, torch.Tensor) and on(t) is None]
+            if cpu:
+                raise RuntimeError(f"No backend type associated with device type cpu (simulated NCCL: {name} was "
+                                   f"given a CPU tensor of shape {tuple(cpu[0].shape)} on an NCCL process group)")
+        return collective(*args, **kwargs)
+
+    return call
+
+
+# -- installation ------------------------------------------------------------------------------------------------
+
+
+def install() -> None:
+    global SimCuda, _mode
+    import torch
+
+    if SimCuda is not None:
+        return
+    SimCuda = _tensor_classes(torch)
+    _mode = _mode_class(torch)()
+    _patch_cuda(torch)
+    _patch_distributed(torch)
+    _patch_load(torch)
+    _patch_profiler(torch)
+    _patch_threads()
+    enter_mode()
+
+
+class _AfterTorch(importlib.abc.MetaPathFinder):
+    """Runs install() right after `import torch` finishes, whoever imports it first."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_install(module):
+            exec_module(module)
+            install()
+
+        spec.loader.exec_module = exec_then_install
+        return spec
+
+
+def install_when_torch_is_imported() -> None:
+    if "torch" in sys.modules:
+        install()
+    else:
+        sys.meta_path.insert(0, _AfterTorch())
