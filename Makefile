@@ -18,16 +18,19 @@ BIN := $(VENV)/bin
 # Strict nbval as users type it (pytest --nbval notebooks/); notebooks/conftest.py pins the preset the stored outputs
 # were made with and the sanitizer, so the Makefile adds only the cell timeout.
 NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_TIMEOUT)
-# The second lane: the notebooks whose cells read the preset, top to bottom with the workshop preset's code paths on
-# a CPU (workshop-cpu), every assert holding, outputs not compared (they differ from the stored smoke outputs by
-# design). notebook.allocation takes its no-GPU branch here; make gpu-check runs the one-GPU and full-node branches.
-# Left out because on a CPU the preset changes nothing they run (tests/test_design.py checks it), so the lane would
-# repeat strict nbval: 00 reads the preset only to print it and to size its engines, 06 trains `smoke` in every
-# rehearsal, 11 trains its own GPT, the appendix prints files.
-PRESET_FREE_NOTEBOOKS = notebooks/00_setup.ipynb notebooks/06_multi_node.ipynb notebooks/11_model_parallelism.ipynb
-LANE_NOTEBOOKS ?= $(filter-out $(PRESET_FREE_NOTEBOOKS),$(wildcard notebooks/[0-9][0-9]*_*.ipynb))
-WORKSHOP_LANE = TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax $(LANE_NOTEBOOKS) \
-	--nbval-cell-timeout $(NBVAL_TIMEOUT)
+# The second lane: the GPU branch of every numbered notebook, on simulated GPUs (tests/simgpu: torch.cuda's answers,
+# tensors that say cuda:N and fail on mixed devices as CUDA does, NCCL over gloo that refuses what NCCL refuses, and a
+# record of every process group checked against README's allocation table). Every notebook runs as a one-GPU
+# attendee's (the row most attendees have, and the one with most branches: ranks sharing the GPU over gloo, or moved
+# to the CPU); the notebooks whose lessons change with NCCL (08's plain Lightning script, 10's flight recorder) run
+# again as a full node's. The workshop-cpu preset, so that the workshop preset's code paths run too (what the
+# workshop-cpu lane on the CPU did before: the ranks that the allocation moves to the CPU still run it there).
+# --nbval-lax: every assert holds, outputs are not compared (the allocation lines differ from the stored ones).
+SIMGPU = TUTORIAL_PRESET=workshop-cpu PYTHONPATH=$(CURDIR)/tests/simgpu $(BIN)/python -m pytest -p lane \
+	--nbval-lax --nbval-cell-timeout $(NBVAL_TIMEOUT)
+ONE_GPU_NOTEBOOKS ?= $(wildcard notebooks/[0-9][0-9]*_*.ipynb)
+FULL_NODE_NOTEBOOKS ?= notebooks/08_lightning.ipynb notebooks/10_when_things_go_wrong.ipynb
+SIMGPU_LANE = TUTORIAL_SIMGPU=1 $(SIMGPU) $(ONE_GPU_NOTEBOOKS) && TUTORIAL_SIMGPU=2 $(SIMGPU) $(FULL_NODE_NOTEBOOKS)
 
 # The floor lane: the trainers' core paths and gpu-check's CPU rehearsal on the oldest torch the workbook supports
 # (pyproject.toml's "torch>=", the one place it is declared; the lent GPU node has 2.11), in .venv-floor, an overlay of
@@ -36,11 +39,11 @@ FLOOR_TESTS = tests/test_distributed.py tests/test_step_agreement.py tests/test_
 	tests/test_gpu_check.py::test_the_cpu_rehearsal_of_stage_1
 FLOOR_LANE = .venv-floor/bin/python -m pytest $(FLOOR_TESTS)
 
-.PHONY: help install lab test test-unit test-notebooks unit nbval workshop-lane floor-lane notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
+.PHONY: help install lab test test-unit test-notebooks unit nbval simgpu-lane floor-lane notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
 
 help:
 	@echo "make lab        set up if needed, then JupyterLab on notebooks/ (token auth, prints the URL)"
-	@echo "make test       set up if needed, then unit tests, pytest --nbval notebooks/, the workshop-cpu lane"
+	@echo "make test       set up if needed, then unit tests, pytest --nbval notebooks/, the simulated-GPU lane"
 	@echo "make install    system MPI, .venv (pinned), Horovod (built, cached), the 'tutorial' kernel"
 	@echo "make notebooks  re-execute every notebook in place to refresh stored outputs (CPU preset)"
 	@echo "make slides     one reveal.js deck per notebook in slides/: speaker notes, fits the screen, opens offline"
@@ -82,11 +85,11 @@ test-unit:
 
 test-notebooks:
 	$(NBVAL)
-	$(WORKSHOP_LANE)
+	$(SIMGPU_LANE)
 	$(FLOOR_LANE)
 
-workshop-lane: install
-	$(WORKSHOP_LANE)
+simgpu-lane: install
+	$(SIMGPU_LANE)
 
 floor-lane: install
 	$(FLOOR_LANE)

@@ -300,21 +300,21 @@ def test_the_import_check_catches_a_back_edge_and_a_circle():
     assert any("tutorial.core.config" in c and "tutorial.core.process" in c for c in cycles(graph))
 
 
-def test_the_lane_leaves_out_only_notebooks_the_preset_does_not_change():
-    """make test's workshop-cpu lane skips the notebooks in PRESET_FREE_NOTEBOOKS because there it would repeat strict
-    nbval. That holds while the notebook reads the preset only to print it or to ask `allocation` for ranks of its
-    own (trainer=None, whose cfg it does not use): any other use of `cfg`, a preset made from another name, or a
-    launch given the chosen preset puts it back in the lane."""
+def test_the_simulated_gpu_lane_runs_every_notebook_and_its_promises_point_at_their_cells():
+    """make test's simulated-GPU lane runs every numbered notebook as a one-GPU attendee's; a promise the lane checks
+    from a cell on (tests/simgpu/lane.py PROMISES) names the cell that makes it, so a moved cell cannot leave it
+    checking from the wrong place."""
     import json
+    import sys
     makefile = (ROOT / "Makefile").read_text()
-    left_out = re.search(r"^PRESET_FREE_NOTEBOOKS = (.*)$", makefile, re.M).group(1).split()
-    assert left_out and all((ROOT / n).exists() for n in left_out), left_out
-    allowed = (re.compile(r"^cfg = notebook\.choose_preset\(\)$"),
-               re.compile(r"^alloc = notebook\.allocation\(\d+, cfg, trainer=None\)"))
-    for name in left_out:
-        cells = json.loads((ROOT / name).read_text())["cells"]
-        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-        uses = [line.strip() for line in code.splitlines() if re.search(r"\bcfg\b", line)]
-        assert all(any(p.match(u) for p in allowed) for u in uses), (name, uses)
-        assert "alloc.cfg" not in code and "preset_name" not in code, name
-        assert set(re.findall(r'preset\("([\w-]+)"', code)) <= {"smoke"} and "--preset {" not in code, name
+    assert re.search(r"^ONE_GPU_NOTEBOOKS \?= \$\(wildcard notebooks/\[0-9\]\[0-9\]\*_\*\.ipynb\)$", makefile, re.M)
+    assert "$(SIMGPU_LANE)" in makefile.split("test-notebooks:")[1].split("\n\n")[0]
+    sys.path.insert(0, str(ROOT / "tests" / "simgpu"))
+    try:
+        from lane import PROMISES
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "simgpu"))
+    for notebook, promises in PROMISES.items():
+        cells = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text())["cells"]
+        for start, _, _, _, marker in promises:
+            assert marker in "".join(cells[start]["source"]), (notebook, start, marker)

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-RECORD = Path(os.environ.setdefault("TUTORIAL_SIMGPU_RECORD", str(Path("runs/simgpu").resolve() / "record.jsonl")))
+RECORD = Path(os.environ.get("TUTORIAL_SIMGPU_RECORD") or Path("runs/simgpu/record.jsonl").resolve())
 
-# What a notebook promises beyond the table: {notebook: [(from cell, what, check(record) -> problem or None)]}.
+# What a notebook promises beyond the table: {notebook: [(from cell, what, applies(record), check(record) -> problem
+# or None, text of the cell that makes the promise)]}; tests/test_design.py checks that the cell has that text.
 
 
 def _carries(*names):
@@ -29,7 +30,8 @@ def _carries(*names):
 PROMISES = {
     # 10 [45]: the flight recorder's variables reach every NCCL group made afterwards, restarted engines included
     "10_when_things_go_wrong": [(45, "NCCL flight recorder set on the engines", lambda e: e["backend"] == "nccl",
-                                 _carries("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"))],
+                                 _carries("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"),
+                                 '"TORCH_FR_BUFFER_SIZE": "2000"')],
 }
 
 
@@ -87,7 +89,7 @@ def by_notebook(entries: list[dict]) -> dict[str, list[dict]]:
 
 def problems_of(notebook: str, entries: list[dict]) -> list[str]:
     problems = table_problems(entries)
-    for start, what, applies, check in PROMISES.get(notebook, []):
+    for start, what, applies, check, _ in PROMISES.get(notebook, []):
         for e in entries:
             if e.get("cell", -1) >= start and applies(e) and check(e):
                 problems.append(f"{what} (cell {start}), but cell {e['cell']}: {check(e)}")
@@ -106,6 +108,7 @@ _last: dict[str, str] = {}
 
 
 def pytest_configure(config):
+    os.environ["TUTORIAL_SIMGPU_RECORD"] = str(RECORD)  # the kernels, and every process they start, inherit it
     RECORD.parent.mkdir(parents=True, exist_ok=True)
     RECORD.write_text("")
 

@@ -115,7 +115,10 @@ class Event:
 
 class Stream:
     def __init__(self, device=None, priority=0, **_):
-        self.device = device
+        import torch
+
+        self.device = torch.device("cuda", _check_index(device) if physical() else 0)
+        self.device_index, self.device_type, self.stream_id = self.device.index, "cuda", 0
 
     def synchronize(self):
         pass
@@ -152,6 +155,8 @@ def _generator(device=None):
     not simulated, only that each device has its own state to save and restore)."""
     import torch
 
+    if not physical():  # torch.cuda.manual_seed and friends do nothing where no GPU is visible
+        return torch.Generator()
     index = _check_index(device if device not in ("cuda",) else None)
     if index not in _generators:
         _generators[index] = torch.Generator()
@@ -160,14 +165,19 @@ def _generator(device=None):
 
 def _patch_cuda(torch) -> None:
     cuda = torch.cuda
-    zero = lambda *a, **k: 0  # noqa: E731  (the simulated GPU allocates nothing of its own)
-    nothing = lambda *a, **k: None  # noqa: E731
+    def zero(*a, **k):  # the simulated GPU allocates nothing of its own
+        return 0
+
+    def nothing(*a, **k):
+        return None
+
     patches = dict(
         is_available=lambda: bool(physical()), device_count=lambda: len(physical()), current_device=current_device,
         set_device=set_device, get_device_properties=properties,
         get_device_name=lambda device=None: properties(device).name,
         get_device_capability=lambda device=None: (properties(device).major, properties(device).minor),
-        is_bf16_supported=lambda including_emulation=True: CAPABILITY >= (8, 0), is_initialized=lambda: True,
+        is_bf16_supported=lambda including_emulation=True: CAPABILITY >= (8, 0),
+        is_initialized=lambda: bool(physical()),
         _lazy_init=nothing, init=nothing, synchronize=nothing, empty_cache=nothing, ipc_collect=nothing,
         memory_allocated=zero, max_memory_allocated=zero, memory_reserved=zero, max_memory_reserved=zero,
         reset_peak_memory_stats=nothing, reset_max_memory_allocated=nothing, reset_accumulated_memory_stats=nothing,
@@ -185,6 +195,8 @@ def _patch_cuda(torch) -> None:
         get_arch_list=lambda: ["sm_90"], is_current_stream_capturing=lambda: False, set_stream=nothing,
     )
     for name, value in patches.items():
+        if value in (zero, nothing):  # one function object per name: torch keeps registries keyed by function
+            value = functools.wraps(value)(lambda *a, _v=value, **k: _v(*a, **k))
         setattr(cuda, name, value)
     cuda.device = _DeviceContext
     torch.Stream, torch.Event = Stream, Event
@@ -281,11 +293,30 @@ def on(t):
     return t._sim_index if type(t) is SimCuda else None
 
 
+def _on_cpu(t):
+    """Mark a tensor that Python code made on the CPU. Only such tensors count as the CPU in the device check:
+    tensors made below torch's Python layer (inside DTensor's dispatch, autograd's saved values, a checkpoint's
+    storage) are CPU tensors here whatever device they would be on, and would be false alarms."""
+    if type(t) is not SimCuda and not isinstance(t, torch_nn_parameter()):
+        try:
+            t._sim_cpu = True
+        except (AttributeError, RuntimeError):
+            pass
+    return t
+
+
+def torch_nn_parameter():
+    import torch
+
+    return torch.nn.Parameter
+
+
 def _tag(t, index):
     """Make t (a new tensor of an op) say cuda:index."""
     import torch
 
     if index is not None and isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter):
+        t.__dict__.pop("_sim_cpu", None)
         if type(t) is torch.nn.Parameter:
             t._is_param = True  # isinstance(t, nn.Parameter) still holds (Parameter's metaclass reads it)
         t.__class__ = SimCuda
@@ -301,7 +332,7 @@ def _move(t, index):
         t = t.clone()
     if index is None:
         t.__class__ = torch.Tensor
-        return t
+        return _on_cpu(t)
     t.__class__ = SimCuda
     t._sim_index = index
     return t
@@ -356,7 +387,7 @@ def _mode_class(torch):
                 return None
             flat, _ = tree_flatten((args, kwargs))
             cuda = {on(t) for t in flat if type(t) is SimCuda}
-            cpu = any(type(t) is not SimCuda and isinstance(t, torch.Tensor) and t.dim() > 0 for t in flat)
+            cpu = any(type(t) is not SimCuda and getattr(t, "_sim_cpu", False) and t.dim() > 0 for t in flat)
             if name not in METADATA and (len(cuda) > 1 or (cuda and cpu)):
                 seen = [f"cuda:{i}" for i in sorted(cuda)] + (["cpu"] if cpu else [])
                 raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
@@ -369,9 +400,11 @@ def _mode_class(torch):
                 index = on(args[0])
             with torch._C.DisableTorchFunction():
                 out = func(*args, **kwargs)
-            if index is None:
-                return out
-            return tree_map_only(torch.Tensor, lambda t: _tag(t, index), out)
+            if isinstance(out, torch.Tensor):
+                return _on_cpu(out) if index is None else _tag(out, index)
+            if not isinstance(out, (list, tuple, dict)) or isinstance(out, torch.Size):
+                return out  # pytree would turn a torch.Size into a tuple
+            return tree_map_only(torch.Tensor, _on_cpu if index is None else (lambda t: _tag(t, index)), out)
 
     return Mode
 
@@ -410,6 +443,42 @@ def _patch_profiler(torch) -> None:
         init(self, *args, activities=activities, **kwargs)
 
     torch.profiler.profile.__init__ = init_
+
+
+def _patch_compile(torch) -> None:
+    """torch.compile runs the function as it is: the simulation has no GPU to generate kernels for (and dynamo would
+    trace the simulation itself). Compiling for a GPU is gpu-check's."""
+
+    def compile_(model=None, **kwargs):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = compile_
+    explain = torch._dynamo.explain
+
+    def explain_(fn, *args, **kwargs):  # dynamo's report on a function, made outside the simulation's mode
+        inner = explain(fn, *args, **kwargs)
+
+        def run(*a, **k):
+            depth = len(torch.overrides._get_current_function_mode_stack())
+            popped = [torch._C._pop_torch_function_stack() for _ in range(depth)]
+            try:
+                return inner(*a, **k)
+            finally:
+                for mode in reversed(popped):
+                    torch._C._push_on_torch_function_stack(mode)
+        return run
+
+    torch._dynamo.explain = explain_
+
+
+def _patch_checkpoint(torch) -> None:
+    """Activation checkpointing compares what the recomputation saved with what the forward saved, device included;
+    intermediates that autograd saves without handing them to Python are plain CPU tensors here, so the simulation
+    compares shapes and dtypes only."""
+    import torch.utils.checkpoint as checkpoint
+
+    checkpoint._allowed_determinism_checks_to_fns[checkpoint._DEFAULT_DETERMINISM_MODE] = \
+        lambda x: {"shape": x.shape, "dtype": x.dtype}
 
 
 def _patch_load(torch) -> None:
@@ -460,7 +529,7 @@ def _transfer(torch, name, args, kwargs):
     if index is None:
         if type(out) is SimCuda:
             out.__class__ = torch.Tensor
-        return out
+        return _on_cpu(out)
     if type(out) is SimCuda:
         out._sim_index = index
         return out
@@ -562,7 +631,7 @@ def _patch_distributed(torch) -> None:
         try:
             init(backend, *args, **kwargs)
         except Exception as exc:
-            record(dict(kind="init_process_group", backend="nccl" if nccl else str(backend), refused=str(exc)[:300]))
+            record(dict(kind="init_process_group", backend="nccl" if nccl else str(backend), failed=str(exc)[:300]))
             raise
         described(c10d._get_default_group(), "nccl" if nccl else str(backend or "gloo"), "init_process_group")
 
@@ -639,6 +708,8 @@ def install() -> None:
     _patch_distributed(torch)
     _patch_load(torch)
     _patch_profiler(torch)
+    _patch_compile(torch)
+    _patch_checkpoint(torch)
     _patch_threads()
     enter_mode()
 

@@ -1,0 +1,173 @@
+"""The simulated GPUs (tests/simgpu) and the allocations the notebooks' lane does not run: the simulation fails where
+CUDA and NCCL would (else the lane could not fail), the rows of README's allocation table executed under it (a full
+node, a shared node's subset, a GPU bound per task), and the exercise checkers on their GPU branch.
+
+The lane itself (every notebook under one simulated GPU, the NCCL notebooks under two) is `make test`'s
+SIMGPU_LANE; tests/simgpu/simgpu.py says what is simulated and what is not."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import ROOT, agent_store, env
+
+SIMGPU = ROOT / "tests" / "simgpu"
+
+
+def simulated(gpus: int, record=None, **extra) -> dict:
+    e = env(PYTHONPATH=str(SIMGPU), TUTORIAL_SIMGPU=str(gpus), **extra)
+    e.pop("CUDA_VISIBLE_DEVICES", None)
+    e.update(extra)
+    if record is not None:
+        e["TUTORIAL_SIMGPU_RECORD"] = str(record)
+    return e
+
+
+def python(code: str, gpus: int, record=None, timeout=120, **extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=simulated(gpus, record, **extra))
+
+
+def records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_the_simulation_fails_where_cuda_would():
+    out = python("""
+        import torch, torch.nn as nn
+        print(torch.cuda.is_available(), torch.cuda.device_count(), torch.cuda.get_device_properties(1).uuid)
+        net = nn.Linear(4, 2).cuda()
+        print(next(net.parameters()).device, isinstance(next(net.parameters()), nn.Parameter))
+        for name, call in [("mixed", lambda: net(torch.randn(3, 4))), ("numpy", lambda: net.weight.numpy()),
+                           ("two GPUs", lambda: net(torch.randn(3, 4, device="cuda:1")))]:
+            try:
+                call()
+                print(name, "passed")
+            except (RuntimeError, TypeError) as exc:
+                print(name, "failed:", str(exc).splitlines()[0])
+        x = torch.randn(3, 4, device="cuda:1")
+        print(net.to(x)(x).device, torch.load.__wrapped__ is not None)
+    """, gpus=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "True 2 GPU-5133d001-0000-4000-8000-000000000001"
+    assert lines[1] == "cuda:0 True"
+    assert lines[2].startswith("mixed failed: Expected all tensors to be on the same device") and "cpu" in lines[2]
+    assert lines[3].startswith("numpy failed: can't convert cuda:0 device type tensor to numpy")
+    assert lines[4].startswith("two GPUs failed: Expected all tensors") and "cuda:0 and cuda:1" in lines[4]
+    assert lines[5] == "cuda:1 True"
+
+
+NCCL_PAIR = """
+    import os, sys, torch, torch.distributed as dist
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    try:
+        dist.init_process_group("nccl")
+    except dist.DistBackendError as exc:
+        print("refused:", exc)
+        sys.exit(3)
+    print("backend", dist.get_backend())
+    try:
+        dist.all_reduce(torch.ones(1))
+        print("cpu tensor passed")
+    except RuntimeError as exc:
+        print("cpu tensor failed:", str(exc).splitlines()[0])
+    t = torch.ones(1, device="cuda")
+    dist.all_reduce(t)
+    print("cuda tensor", t.item(), t.device)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("gpus", [2, 1])
+def test_simulated_nccl_refuses_a_shared_gpu_and_cpu_tensors(tmp_path, gpus):
+    """NCCL's two refusals that CPU tests never meet: two ranks on one GPU, and a CPU tensor on an NCCL group."""
+    script, record = tmp_path / "pair.py", tmp_path / "record.jsonl"
+    script.write_text(textwrap.dedent(NCCL_PAIR))
+    with agent_store() as rendezvous:
+        procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, cwd=ROOT, env=simulated(gpus, record, RANK=str(r), LOCAL_RANK=str(r),
+                                                                     WORLD_SIZE="2", **rendezvous))
+                 for r in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+    seen = records(record)
+    if gpus == 2:
+        assert [p.returncode for p in procs] == [0, 0], outs
+        for out, _ in outs:
+            assert "backend nccl" in out and "cpu tensor failed: No backend type associated with device type cpu" \
+                in out and "cuda tensor 2.0 cuda:" in out
+        assert sorted(r["uuids"][r["current"]][-1] for r in seen) == ["0", "1"]
+    else:
+        assert [p.returncode for p in procs] == [3, 3], outs
+        assert all("Duplicate GPU detected" in out for out, _ in outs)
+        assert all(r["refused"] and r["backend"] == "nccl" for r in seen) and len(seen) == 2
+
+
+ROW = """
+    import json, os, sys
+    from tutorial.launch import engines
+    from tutorial.lessons import notebook
+    from tutorial import train_ddp
+    from tutorial.core.config import TrainConfig
+    alloc = notebook.allocation(2, TrainConfig.preset("smoke").replace(epochs=1, out=sys.argv[1], quiet=True))
+    cluster = engines.start(n=2, device=alloc.device, gpus=alloc.gpus, show=False)
+    try:
+        metrics = cluster.run(train_ddp.main, alloc.cfg)
+        print("identical", metrics[0]["replicas_identical"])
+    finally:
+        cluster.stop()
+"""
+
+
+@pytest.mark.parametrize("row", ["full node", "shared node"])
+def test_readme_rows_run_as_the_table_says(tmp_path, row):
+    """README: 2 or more GPUs: one rank per GPU, NCCL; a shared node (CUDA_VISIBLE_DEVICES=2,3 of 8): those two."""
+    record = tmp_path / "record.jsonl"
+    gpus, extra = (2, {}) if row == "full node" else (8, {"CUDA_VISIBLE_DEVICES": "2,3"})
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(ROW), str(tmp_path / "out")], capture_output=True,
+                         text=True, timeout=240, cwd=ROOT, env=simulated(gpus, record, **extra))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert re.search(r"allocation: 2 rank\(s\) on GPU\(s\) (0,1|2,3), one per GPU, NCCL", out.stdout)
+    assert "identical True" in out.stdout
+    groups = [r for r in records(record) if r["kind"] == "init_process_group"]
+    assert len(groups) == 2 and {r["backend"] for r in groups} == {"nccl"}
+    physical = sorted(r["uuids"][r["current"]] for r in groups)
+    want = ["0", "1"] if row == "full node" else ["2", "3"]
+    assert [u[-1] for u in physical] == want, physical  # the attendee's GPUs, one per rank
+
+
+def test_a_gpu_bound_per_task_is_one_gpu_per_rank_for_nccl(tmp_path):
+    """Slurm --gpus-per-task=1: each rank sees one GPU, its own, as cuda:0; the trainers compare UUIDs, so NCCL runs.
+    The control: the same launch with both ranks bound to GPU 0 is refused by the trainer, before NCCL."""
+    record = tmp_path / "record.jsonl"
+
+    def launch(visible: list[str]):
+        with agent_store() as rendezvous:
+            procs = [subprocess.Popen([sys.executable, "-m", "tutorial.train_ddp", "--preset", "smoke", "--epochs",
+                                       "1", "--out", str(tmp_path / f"out{r}"), "--backend", "nccl"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                      env=simulated(2, record, RANK=str(r), LOCAL_RANK="0", WORLD_SIZE="2",
+                                                    CUDA_VISIBLE_DEVICES=visible[r], **rendezvous))
+                     for r in range(2)]
+            return [p.communicate(timeout=180)[0] for p in procs], [p.returncode for p in procs]
+
+    outs, codes = launch(["0", "1"])
+    assert codes == [0, 0], outs
+    seen = [r for r in records(record) if r["kind"] == "init_process_group"]
+    assert {r["backend"] for r in seen} == {"nccl"} and {r["current"] for r in seen} == {0}
+    assert len({r["uuids"][0] for r in seen}) == 2
+    outs, codes = launch(["0", "0"])
+    assert codes == [2, 2] and all("would use the same GPU" in o for o in outs), outs
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_the_exercise_checkers_on_their_gpu_branch(gpus):
+    """02's exercise 2 checker builds its problem where nn.DataParallel puts the module (4e6582a's did not, and
+    called the package's own solution wrong on any GPU node: it fails here under 1 and 2 simulated GPUs)."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_exercises_02.py"],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT, env=simulated(gpus))
+    assert out.returncode == 0, out.stdout[-4000:]
