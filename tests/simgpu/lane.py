@@ -44,15 +44,18 @@ def groups(entries: list[dict]) -> dict[str, list[dict]]:
 
 
 def table_problems(entries: list[dict]) -> list[str]:
-    """README's table, checked per process group of 2 or more ranks that see a GPU:
+    """README's table, checked per process group of 2 or more ranks that see a GPU and that a trainer made (the
+    trainers decide the backend by the allocation; a cell that types init_process_group("gloo") chose it, and the
+    exercise checkers run a learner's function on CPU tensors in a gloo group of their own):
     - every rank sees a GPU of its own (node GPUs >= ranks, or one bound per task): NCCL, one rank per GPU;
     - ranks share a GPU (one GPU per attendee): gloo (NCCL refuses; the simulation refuses as NCCL does);
     - no GPU seen: gloo on the CPU."""
     problems = []
     for gid, members in groups(entries).items():
         first = members[0]
-        if first["world"] < 2 or len(members) < first["world"]:
-            continue
+        if first["world"] < 2 or len(members) < first["world"] \
+                or not first.get("caller", "").startswith(("tutorial.core.", "tutorial.train_")):
+            continue  # not a trainer's group: a cell's own, or an exercise checker's gloo group for CPU tensors
         where = f"cell {first.get('cell', '?')}: {first['kind']} of {first['world']} ranks"
         own = [m["uuids"][m["current"]] if m["uuids"] else None for m in members]
         if any(u is None for u in own):

@@ -375,6 +375,8 @@ def _mode_class(torch):
             if name == "numpy" and type(args[0]) is SimCuda:
                 raise TypeError(f"can't convert cuda:{on(args[0])} device type tensor to numpy. Use Tensor.cpu() to "
                                 "copy the tensor to host memory first. (simulated GPUs)")
+            if name == "__format__" and type(args[0]) is SimCuda and args[0].dim() == 0:
+                return args[0].item().__format__(*args[1:])  # what Tensor.__format__ does for its own type
             if name == "get_device" and args:
                 return on(args[0]) if on(args[0]) is not None else -1
             if name == "__set__" and len(args) == 2 and isinstance(args[1], torch.Tensor):
@@ -576,6 +578,18 @@ def record(entry: dict) -> None:
         f.write(json.dumps(entry, default=str) + "\n")
 
 
+def _caller() -> str:
+    """The module that asked for the process group: the package's code (a trainer, a helper) decides the backend by
+    the allocation; a cell's own init_process_group("gloo") is the lesson's choice (a gloo-only feature, say)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name.startswith(("torch", "lightning", "deepspeed", "functools", "contextlib")) or name == __name__):
+            return name or "?"
+        frame = frame.f_back
+    return "?"
+
+
 def _wants_nccl(backend, device_id) -> bool:
     text = str(backend or "").lower()
     if "nccl" in text:
@@ -617,7 +631,7 @@ def _patch_distributed(torch) -> None:
                                f"both on CUDA device {mine} (simulated GPUs)")
                     break
         record(dict(kind=kind, backend=backend, rank=rank, world=world, group=f"{seen[0][2]}-{seen[0][3]}",
-                    refused=refusal))
+                    refused=refusal, caller=_caller()))
         if refusal:
             raise dist.DistBackendError(refusal)
         if backend == "nccl":
@@ -688,6 +702,14 @@ def _checked(torch, name, collective):
             if cpu:
                 raise RuntimeError(f"No backend type associated with device type cpu (simulated NCCL: {name} was "
                                    f"given a CPU tensor of shape {tuple(cpu[0].shape)} on an NCCL process group)")
+            op = kwargs.get("op", args[1] if len(args) > 1 and name == "all_reduce" else None)
+            if name == "all_reduce" and op == torch.distributed.ReduceOp.AVG:  # NCCL averages; gloo cannot
+                tensor = kwargs.get("tensor", args[0] if args else None)
+                work = collective(tensor, torch.distributed.ReduceOp.SUM, group=group)
+                with torch._C.DisableTorchFunction():
+                    world = torch.distributed.get_world_size(group)
+                    tensor.copy_(tensor / world if tensor.is_floating_point() else tensor // world)
+                return work
         return collective(*args, **kwargs)
 
     return call
