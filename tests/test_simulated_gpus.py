@@ -117,7 +117,7 @@ ROW = """
     cluster = engines.start(n=2, device=alloc.device, gpus=alloc.gpus, show=False)
     try:
         metrics = cluster.run(train_ddp.main, alloc.cfg)
-        print("identical", metrics[0]["replicas_identical"])
+        print("identical", metrics["replicas_identical"])
     finally:
         cluster.stop()
 """
