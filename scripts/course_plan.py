@@ -142,9 +142,9 @@ for s in STEMS:
     out.append(f"- {s.split('_')[0]} ({saved} min): {items}.")
 out += ["",
 "Where ranks go (`notebook.allocation`, one line in each notebook): a GPU per rank over NCCL where there are enough;",
-"one GPU per attendee: the ranks share it over gloo, or run on the CPU (workshop-cpu sizes) for Horovod, FSDP,",
-"DeepSpeed, Lightning; no GPU: the CPU with `smoke`. Shared node: start each attendee's JupyterLab with their own",
-"`CUDA_VISIBLE_DEVICES`.", ""]
+"one GPU per attendee: DDP's ranks and hand-made groups share it over gloo; Horovod, FSDP, DeepSpeed, Lightning and",
+"tensor/pipeline parallel run on the CPU with `smoke`'s sizes on the real digits (SyncBatchNorm off); no GPU: the CPU",
+"with `smoke`. Shared node: start each attendee's JupyterLab with their own `CUDA_VISIBLE_DEVICES`.", ""]
 readme = (ROOT / "README.md").read_text()
 said = re.compile(r"The core day is \d+ min of teaching \([^)]*\)")
 assert len(said.findall(readme)) == 1, "README.md must say 'The core day is N min of teaching (...)' once"
