@@ -283,7 +283,7 @@ def _tensor_classes(torch):
     return SimCuda
 
 
-SimCuda = None
+SimCuda = _Tensor = _Parameter = None  # set by install(), once torch is imported
 METADATA = {"_has_compatible_shallow_copy_type", "__get__", "__set__", "copy_", "set_", "is_same_size",
             "is_pinned", "__repr__", "__format__", "_make_subclass", "__reduce_ex__", "__deepcopy__", "__setstate__"}
 
@@ -297,27 +297,16 @@ def _on_cpu(t):
     """Mark a tensor that Python code made on the CPU. Only such tensors count as the CPU in the device check:
     tensors made below torch's Python layer (inside DTensor's dispatch, autograd's saved values, a checkpoint's
     storage) are CPU tensors here whatever device they would be on, and would be false alarms."""
-    if type(t) is not SimCuda and not isinstance(t, torch_nn_parameter()):
-        try:
-            t._sim_cpu = True
-        except (AttributeError, RuntimeError):
-            pass
+    if type(t) is _Tensor:
+        t._sim_cpu = True
     return t
-
-
-def torch_nn_parameter():
-    import torch
-
-    return torch.nn.Parameter
 
 
 def _tag(t, index):
     """Make t (a new tensor of an op) say cuda:index."""
-    import torch
-
-    if index is not None and isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter):
+    if index is not None and type(t) in (_Tensor, _Parameter):
         t.__dict__.pop("_sim_cpu", None)
-        if type(t) is torch.nn.Parameter:
+        if type(t) is _Parameter:
             t._is_param = True  # isinstance(t, nn.Parameter) still holds (Parameter's metaclass reads it)
         t.__class__ = SimCuda
         t._sim_index = index
@@ -719,12 +708,12 @@ def _checked(torch, name, collective):
 
 
 def install() -> None:
-    global SimCuda, _mode
+    global SimCuda, _Tensor, _Parameter, _mode
     import torch
 
     if SimCuda is not None:
         return
-    SimCuda = _tensor_classes(torch)
+    SimCuda, _Tensor, _Parameter = _tensor_classes(torch), torch.Tensor, torch.nn.Parameter
     _mode = _mode_class(torch)()
     _patch_cuda(torch)
     _patch_distributed(torch)
