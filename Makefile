@@ -28,11 +28,15 @@ NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_
 # --nbval-lax: every assert holds, outputs are not compared (the allocation lines differ from the stored ones).
 SIMGPU = TUTORIAL_PRESET=workshop-cpu PYTHONPATH=$(CURDIR)/tests/simgpu $(BIN)/python -m pytest -p lane \
 	--nbval-lax --nbval-cell-timeout $(NBVAL_TIMEOUT)
-# 09 runs on the CPU with workshop-cpu, as the lane did before: FSDP2 and DCP make tensors below torch's Python layer,
-# which the simulation cannot follow (a resumed FSDP run's BatchNorm buffers come back as CPU tensors there); 09's
-# GPU branch is gpu-check's (its FSDP and DeepSpeed checks).
-CPU_LANE_NOTEBOOKS = notebooks/09_sharded_training.ipynb
-ONE_GPU_NOTEBOOKS ?= $(filter-out $(CPU_LANE_NOTEBOOKS),$(wildcard notebooks/[0-9][0-9]*_*.ipynb))
+# 04 and 09 run on the CPU with workshop-cpu, as the lane did before. 04 counts the graphs torch.compile makes, and
+# the simulation compiles nothing (there is no GPU to generate kernels for). FSDP2 and DCP make tensors below torch's
+# Python layer, which the simulation cannot follow (a resumed FSDP run's BatchNorm buffers come back as CPU tensors
+# there). Their GPU branches are gpu-check's (its compile, bf16/fp16, FSDP and DeepSpeed checks).
+CPU_LANE_NOTEBOOKS = notebooks/04_mixed_precision.ipynb notebooks/09_sharded_training.ipynb
+# 06 is in no lane, as before: its launches are typed with `--preset smoke` (strict nbval runs them), and what they
+# do on one GPU is the trainers' own decisions, which 03b, 05 and tests/test_simulated_gpus.py run on simulated GPUs.
+NO_LANE_NOTEBOOKS = notebooks/06_multi_node.ipynb
+ONE_GPU_NOTEBOOKS ?= $(filter-out $(CPU_LANE_NOTEBOOKS) $(NO_LANE_NOTEBOOKS),$(wildcard notebooks/[0-9][0-9]*_*.ipynb))
 FULL_NODE_NOTEBOOKS ?= notebooks/08_lightning.ipynb notebooks/10_when_things_go_wrong.ipynb
 SIMGPU_LANE = TUTORIAL_SIMGPU=1 $(SIMGPU) $(ONE_GPU_NOTEBOOKS) && TUTORIAL_SIMGPU=2 $(SIMGPU) $(FULL_NODE_NOTEBOOKS) \
 	&& TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax $(CPU_LANE_NOTEBOOKS) --nbval-cell-timeout $(NBVAL_TIMEOUT)
