@@ -86,9 +86,10 @@ test: install
 	@bash scripts/check_leftovers.sh
 
 # make test's two halves (each prints when it ends: --output-sync keeps their lines apart); no install of their own,
-# which two parallel jobs would race. Measured 2026-11-26 on 2 cores (AMD EPYC), side by side: the unit tests
-# without the 2-min JupyterLab UI test 23.5 min, strict nbval 14 min then the lane 13.5 min. --durations lists the
-# slowest tests, so whoever evens the halves out next has the numbers.
+# which two parallel jobs would race. Measured 2026-11-27 on 2 cores (AMD EPYC), side by side in a fresh clone: the
+# unit tests 31.4 min; strict nbval 12.7 min, the simulated-GPU lane about 19 min (one GPU 13.9, two GPUs 3.3, the CPU
+# part 1.6), the floor lane 2.7. --durations lists the slowest tests, so whoever evens the halves out next has the
+# numbers.
 test-unit:
 	$(BIN)/python -m pytest tests --durations=25
 
