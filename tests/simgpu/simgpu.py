@@ -16,8 +16,10 @@ Every process group made is recorded, one JSON line per rank in $TUTORIAL_SIMGPU
 device, the GPUs the rank sees, its environment's GPU and NCCL variables, and whether it was refused. The lane
 (tests/simgpu/lane.py) checks the records against README's allocation table.
 
-What it cannot show: kernels, speed, memory use, numerics of CUDA (tf32, bf16 kernels); autocast("cuda") changes no
-dtype here. Those are gpu-check's, on a real GPU.
+What it cannot show: kernels, speed, memory use, numerics of CUDA (tf32, bf16 kernels; autocast("cuda") changes no
+dtype here), compiling (torch.compile runs the function as it is), and tensors that FSDP2's DTensor and DCP make below
+torch's Python layer (they are plain CPU tensors here, so only CPU tensors made by Python count as the CPU in the
+device check). Those are gpu-check's, on a real GPU; the Makefile runs 04 and 09 on the CPU for these reasons.
 """
 from __future__ import annotations
 
