@@ -8,6 +8,8 @@ import re
 import sys
 import textwrap
 from pathlib import Path
+
+from cell_times import cell_seconds  # scripts/, this script's folder
 ROOT = Path(__file__).resolve().parents[1]
 
 def notes(stem):
@@ -25,16 +27,13 @@ def notes(stem):
 def recorded(stem):
     """The notebook's recorded run time: its code cells' execution times stored with the outputs, and the run's day."""
     import json
-    from datetime import datetime
     cells = json.loads((ROOT / "notebooks" / f"{stem}.ipynb").read_text())["cells"]
     total, day = 0.0, None
     for c in cells:
-        t = c.get("metadata", {}).get("execution", {})
-        if c["cell_type"] == "code" and "iopub.execute_input" in t and "iopub.status.idle" in t:
-            a, b = (datetime.fromisoformat(t[k].replace("Z", "+00:00"))
-                    for k in ("iopub.execute_input", "iopub.status.idle"))
-            total += (b - a).total_seconds()
-            day = day or t["iopub.execute_input"][5:10]
+        seconds = cell_seconds(c) if c["cell_type"] == "code" else None
+        if seconds is not None:
+            total += seconds
+            day = day or c["metadata"]["execution"]["iopub.execute_input"][5:10]
     return f"{total:.0f} s ({day})"
 
 

@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from datetime import datetime
 from pathlib import Path
 
 import nbformat
 from jinja2 import DictLoader
 from nbconvert import SlidesExporter
+
+from cell_times import cell_seconds  # scripts/, this script's folder
 
 # The canvas reveal.js lays slides out on before scaling them to the screen: 16:9, like projectors and laptops.
 WIDTH, HEIGHT = 1280, 720
@@ -258,20 +259,9 @@ def slides_from_headings(nb) -> None:
             cell.metadata["slideshow"] = {"slide_type": "slide" if level <= 2 else "subslide"}
 
 
-def seconds(cell) -> float | None:
-    """How long a code cell ran when its stored outputs were made (nbconvert/nbclient record the times)."""
-    times = cell.metadata.get("execution", {})
-    try:
-        begin, end = times["iopub.execute_input"], times["iopub.status.idle"]
-    except KeyError:
-        return None
-    return (datetime.fromisoformat(end.replace("Z", "+00:00"))
-            - datetime.fromisoformat(begin.replace("Z", "+00:00"))).total_seconds()
-
-
 def recorded_time(cells, what="these cells") -> str:
     """One line for the notes: the recorded run time of these cells, and the slowest one if it is slow."""
-    timed = [(t, cell) for cell in cells if cell.cell_type == "code" for t in [seconds(cell)] if t is not None]
+    timed = [(t, cell) for cell in cells if cell.cell_type == "code" for t in [cell_seconds(cell)] if t is not None]
     if not timed:
         return ""
     total = sum(t for t, _ in timed)

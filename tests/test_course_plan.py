@@ -334,7 +334,8 @@ def test_the_plan_is_what_its_script_writes_from_the_notes_and_the_stored_runs(t
     # negative control: the same script over a copy whose plan lost a row's minutes must report it
     copy = tmp_path / "repo"
     (copy / "scripts").mkdir(parents=True)
-    (copy / "scripts" / "course_plan.py").write_text(script.read_text())
+    for name in ("course_plan.py", "cell_times.py"):
+        (copy / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
     for folder in ("slides/notes", "notebooks"):
         (copy / folder).mkdir(parents=True)
         for f in (ROOT / folder).glob("*.md" if "notes" in folder else "*.ipynb"):

@@ -42,10 +42,11 @@ import math
 import re
 import sys
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # also run as a script: python tests/test_quoted_numbers.py X.ipynb
+from cell_times import cell_seconds  # noqa: E402
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 NOTES = ROOT / "slides" / "notes"
 
@@ -234,17 +235,6 @@ def output_text(notebook: dict) -> list[tuple[int, str]]:
             for part in parts:
                 texts.append((index, "".join(part) if isinstance(part, list) else part))
     return texts
-
-
-def cell_seconds(cell: dict) -> float | None:
-    """How long a code cell ran when its outputs were stored (the slides show it beside each section's notes)."""
-    times = cell.get("metadata", {}).get("execution", {})
-    try:
-        begin, end = times["iopub.execute_input"], times["iopub.status.idle"]
-    except KeyError:
-        return None
-    return (datetime.fromisoformat(end.replace("Z", "+00:00"))
-            - datetime.fromisoformat(begin.replace("Z", "+00:00"))).total_seconds()
 
 
 def output_numbers(notebook: dict) -> list[float]:
