@@ -23,8 +23,9 @@ NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_
 # record of every process group checked against README's allocation table). All but the three named below run as a
 # one-GPU attendee's (the row most attendees have, and the one with most branches: ranks sharing the GPU over gloo,
 # or moved to the CPU); the notebooks whose lessons change with NCCL (08's plain Lightning script, 10's flight
-# recorder) run again as a full node's. The workshop-cpu preset, so that the workshop preset's code paths run too (what the
-# workshop-cpu lane on the CPU did before: the ranks that the allocation moves to the CPU still run it there).
+# recorder) run again as a full node's. The workshop-cpu preset, so that the workshop preset's code paths run too
+# (what the workshop-cpu lane on the CPU did before: the ranks that the allocation moves to the CPU still run it
+# there).
 # --nbval-lax: every assert holds, outputs are not compared (the allocation lines differ from the stored ones).
 SIMGPU = TUTORIAL_PRESET=workshop-cpu PYTHONPATH=$(CURDIR)/tests/simgpu $(BIN)/python -m pytest -p lane \
 	--nbval-lax --nbval-cell-timeout $(NBVAL_TIMEOUT)
