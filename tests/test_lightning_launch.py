@@ -104,7 +104,9 @@ with quiet_lightning():
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
     trainer.fit(Tiny(), DataLoader(data, batch_size=8))
 sampler = trainer.train_dataloader.sampler
-print(json.dumps(dict(rank=world.rank, replicas=sampler.num_replicas, sampler_rank=sampler.rank)), flush=True)
+# a file per rank: the ranks share torchrun's unbuffered stdout, where two lines can interleave
+with open(f"{sys.argv[2]}/rank{world.rank}.json", "w") as f:
+    json.dump(dict(rank=world.rank, replicas=sampler.num_replicas, sampler_rank=sampler.rank), f)
 torch.distributed.destroy_process_group()
 '''
 
@@ -120,12 +122,11 @@ def test_lightning_runs_where_each_rank_sees_one_device_of_its_own(tmp_path):
 
     def launch(rules: str):
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               str(script), rules], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env())
+                               str(script), rules, str(tmp_path)], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env())
 
     ours = launch("launched")
     assert ours.returncode == 0, ours.stderr[-3000:]
-    seen = sorted((json.loads(line) for line in ours.stdout.splitlines() if line.startswith("{")),
-                  key=lambda r: r["rank"])
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert seen == [dict(rank=r, replicas=2, sampler_rank=r) for r in range(2)]
     plain = launch("plain")
     assert plain.returncode != 0 and "IndexError" in plain.stderr, plain.stderr[-3000:]

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import socket
+import sys
 import time
 
 
@@ -52,7 +53,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if (args.rank is None) != (args.world_size is None):
         parser.error("give --rank and --world-size together, or neither (then a launcher sets them)")
-    print(json.dumps(rank_report(args.init_method, args.rank, args.world_size, args.hold)), flush=True)
+    # One write per line: ranks that share a launcher's unbuffered stdout would otherwise interleave their lines.
+    sys.stdout.write(json.dumps(rank_report(args.init_method, args.rank, args.world_size, args.hold)) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
