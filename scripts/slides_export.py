@@ -33,6 +33,10 @@ from nbconvert import SlidesExporter
 
 from cell_times import cell_seconds  # scripts/, this script's folder
 
+# A cell the notes may call slow: the notes name a section's slowest cell from here on (and
+# tests/test_prose_claims.py holds "the slow cell" of the notes to it).
+SLOW_S = 5.0
+
 # The canvas reveal.js lays slides out on before scaling them to the screen: 16:9, like projectors and laptops.
 WIDTH, HEIGHT = 1280, 720
 
@@ -267,11 +271,40 @@ def recorded_time(cells, what="these cells") -> str:
     total = sum(t for t, _ in timed)
     slow, cell = max(timed, key=lambda x: x[0])
     line = f"*Recorded run time of {what}: {total:.0f} s"
-    if slow >= 5:
+    if slow >= SLOW_S:
         code = "; ".join([l.strip() for l in cell.source.splitlines()
                           if l.strip() and not l.lstrip().startswith(("#", "%%"))][:2])
         line += f"; slowest {slow:.0f} s: `{code if len(code) <= 90 else code[:89] + chr(0x2026)}`"
     return line + " (CPU preset, where the stored outputs were made; a GPU node or a busy laptop differs).*"
+
+
+def _heads(cells) -> list[tuple[int, int, str]]:
+    """(cell index, level, normalized text) of each cell's first heading: the headings that start slides."""
+    return [(i, len(h) - len(h.lstrip("#")), normalize(h)) for i, cell in enumerate(cells) for h in headings(cell)[:1]]
+
+
+def _section_end(heads, index: int, level: int, default: int) -> int:
+    """Where the section of the heading at cell `index` ends: the next slide heading of the same or a higher level."""
+    return next((j for j, lv, _ in heads if j > index and lv <= level), default)
+
+
+def notes_sections(cells, notes_text: str) -> tuple[list[tuple[str, str, range]], list[str]]:
+    """(heading, body, the cells it covers) of each notes section, matched to the notebook heading it starts, and
+    the headings that matched none. A section covers its heading's cell up to the next heading of the same or a
+    higher level: the cells its slides show (tests/test_prose_claims.py reads their recorded run times)."""
+    heads = _heads(cells)
+    hidden = [(i, len(h) - len(h.lstrip("#")), normalize(h))
+              for i, cell in enumerate(cells) for h in headings(cell)[1:]]
+    found, missing = [], []
+    for heading, body in parse_notes(notes_text):
+        key = normalize(heading)
+        match = next(((i, lv) for i, lv, h in heads if h.startswith(key)), None) or next(
+            ((i, lv) for i, lv, h in hidden if h.startswith(key)), None)
+        if match is None:
+            missing.append(heading)
+        else:
+            found.append((heading, body, range(match[0], _section_end(heads, match[0], match[1], len(cells)))))
+    return found, missing
 
 
 def add_notes(nb, notes_file: Path, notebook: Path) -> list[str]:
@@ -279,21 +312,15 @@ def add_notes(nb, notes_file: Path, notebook: Path) -> list[str]:
 
     Returns a warning per notes section that matched no heading."""
     cells = nb.cells
-    heads = [(i, len(h) - len(h.lstrip("#")), normalize(h)) for i, cell in enumerate(cells) for h in headings(cell)[:1]]
-    hidden = [(i, normalize(h)) for i, cell in enumerate(cells) for h in headings(cell)[1:]]
+    heads = _heads(cells)
     notes: dict[int, list[str]] = {}
     warnings = []
     if notes_file.is_file():
-        for heading, body in parse_notes(notes_file.read_text()):
-            key = normalize(heading)
-            index = next((i for i, _, h in heads if h.startswith(key)), None)
-            if index is None:
-                index = next((i for i, h in hidden if h.startswith(key)), None)
-            if index is None:
-                warnings.append(f"{notes_file.as_posix()}: '## {heading}' matches no heading in {notebook.as_posix()}; "
-                                "its notes are not in the deck")
-            else:
-                notes.setdefault(index, []).append(body)
+        sections, missing = notes_sections(cells, notes_file.read_text())
+        for _, body, covered in sections:
+            notes.setdefault(covered.start, []).append(body)
+        warnings = [f"{notes_file.as_posix()}: '## {heading}' matches no heading in {notebook.as_posix()}; "
+                    "its notes are not in the deck" for heading in missing]
     else:
         titles = [h.lstrip("# ") for cell in cells for h in headings(cell) if h.startswith("## ")]
         time = next((m.group(0) for cell in cells if cell.cell_type == "markdown"
@@ -302,10 +329,10 @@ def add_notes(nb, notes_file: Path, notebook: Path) -> list[str]:
             f"No speaker notes written for this notebook yet ({notes_file.as_posix()}). {time}\n\n"
             "Sections: " + "; ".join(titles))
     # The recorded run time of each section: up to the next heading of the same or a higher level.
-    for k, (i, level, _) in enumerate(heads):
+    for i, level, _ in heads:
         if level > 2 and i not in notes:
             continue
-        end = next((j for j, lv, _ in heads[k + 1:] if lv <= level), len(cells))
+        end = _section_end(heads, i, level, len(cells))
         line = recorded_time(cells[i:end], "the whole notebook" if level == 1 else "these cells")
         if line:
             notes.setdefault(i, []).append(line)

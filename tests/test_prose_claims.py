@@ -17,11 +17,28 @@
   sentence naming no device is not a run-time claim here (the teaching minutes are checked by
   `test_course_plan.py`, cells' run times by `test_quoted_numbers.py`).
 
+- **A measured comparison said in words.** "Its epochs below run several times slower than the fp32 run after them"
+  stood above cells where bf16 ran faster, "the measured idle time did not fall with m" above a table where it fell,
+  "staging costs about what the blocking save costs" above 0.09 s against 0.46 s (review 5, N1-N5): a re-run
+  reverses a direction, and nothing compared words with outputs. A sentence that compares measured quantities
+  (faster, slower, falls, grows, about the same, N times, ...: words of time, speed or idleness) about this
+  notebook's runs (here, below, measured, the table, a 2-core machine, ...) must point at the line the measuring cell
+  prints with `tutorial.lessons.measure.comparison` or `trend` ("compared here: bf16 6096 samples/s against fp32
+  5537 samples/s: bf16 is 1.10x fp32"), in its notebook (for the notes: in the cells their section covers). Not such claims:
+  questions, sentences that give their numbers (`test_quoted_numbers.py` checks those), sentences about other
+  hardware (a GPU, Lustre) or about the seeds' cited tables, and sentences that say a result changes from run to run.
+- **Run times in the speaker notes.** "The slow cell (about a minute on a CPU)" stood beside a cell that ran 1.5 s,
+  "each launch takes about 20-25 s" beside launches of 8-10 s (review 5, N13). A duration after a verb of running
+  ("takes about a minute", "tens of seconds", "20-25 s") in a notes section, unless it is about a GPU, must be within
+  a factor 2 of the recorded run time of one of the cells the section covers (`scripts/slides_export.py` knows which
+  cells those are; `scripts/cell_times.py` reads their times), or of all of them together; "the slow cell" needs a
+  cell of at least `SLOW_S` seconds there, and "the slowest cell of the notebook" the notebook's slowest cell.
 - **How many mistakes an exercise has.** Notes 08 said exercise 2 has "Two mistakes ... The checker lists both"
   after the exercise had grown a third (item 19). Where an exercise's cells and its notes section both say how many
   mistakes, bugs or errors it holds ("three mistakes", "two bugs"), the numbers agree.
 
-All read files only. `test_the_checks_find_what_review_4_found` runs them on 984c965 (the commit review 4 read).
+All read files only. `test_the_checks_find_what_review_4_found` runs them on 984c965 (the commit review 4 read),
+`test_the_checks_find_what_review_5_found` on 4e6582a (the commit review 5 read).
 """
 from __future__ import annotations
 
@@ -31,11 +48,16 @@ import sys
 import subprocess
 from pathlib import Path
 
+import nbformat
 import pytest
 from plan_table import plan_table
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from cell_times import cell_seconds  # noqa: E402
+from slides_export import SLOW_S, notes_sections  # noqa: E402
 REVIEWED = "984c965"
+REVIEWED_5 = "4e6582a"
 DOCS = ["README.md", "slides/README.md", "slides/course_plan.md"]
 
 
@@ -230,6 +252,169 @@ def fmt(span: tuple[float, float] | None) -> str:
     return f"{low:g}-{high:g} s" if low != high else f"{high:g} s"
 
 
+# ---- measured comparisons said in words ----
+
+COMPARATIVE = re.compile(
+    r"(?i)\b(?:faster|slower|quicker|sooner|(?:longer|shorter|later|more|less|fewer|larger|smaller|higher|lower) than|"
+    r"(?:did|does|do)(?:n't| not) (?:fall|grow|shrink|rise|drop|change)|falls?|fell|falling|grows?|grew|growing|"
+    r"shrinks?|shrank|rises?|rose|(?:drops?|dropped)(?= (?:with|to|from|as|by|below))|about the same|the same as|about (?:the time|what)|"
+    r"as (?:fast|slow|long|quick) as|(?:several|many|\w+|\d+(?:\.\d+)?) times (?:faster|slower|more|less|longer|"
+    r"shorter|larger|smaller|as)|comes? out ahead|ahead of|beats?|outperforms?|reverses|wins?)\b")
+SPEED = re.compile(r"(?i)faster|slower|quicker|sooner|ahead|beat|outperform|win")
+TIMING = re.compile(r"(?i)samples/s|images/s|throughput|speed|\btimes?\b(?! (?:faster|slower|more|less|larger|smaller|"
+                    r"as))|timings?|seconds|\bidle\b|bandwidth|latency|\bper (?:batch|step|epoch)\b|"
+                    r"\d\s?(?:s|ms|µs)\b|\bcosts?\b|\btakes?\b|\btook\b|\breturn(?:s|ed)?\b|\bwaits?\b")
+HERE = re.compile(r"(?i)\b(?:here|below|above|measured|stored outputs?|these (?:runs|times|numbers|timings)|"
+                  r"the (?:times|timings|table)|this (?:machine|VM|laptop|CPU|run)|2-core|compare|shared CPU)\b")
+ELSEWHERE = re.compile(r"(?i)\b(?:GPUs?|A100|H100|V100|Lustre|GPFS|parallel file system|asserted)\b")
+WITH_NUMBERS = re.compile(r"\d(?:[\d,.]*\d)?\s?(?:x\b|×|%|s\b|ms\b|µs\b|samples/s|MB|GB)|\b(?:two|three|four|ten)-fold\b")
+VARIES = re.compile(r"(?i)from run to run|either direction|both faster and slower")
+CITED = re.compile(r"(?i)\bseeds? \d{3}\b|<!--\s*cited")
+POINTS = re.compile(r"(?i)compared here")
+PRINTS = re.compile(r"\b(?:comparison|trend)\(")  # tutorial.lessons.measure's two
+CLAUSE = re.compile(r"(?<=[.;!?])\s+")
+
+
+def blank_code(text: str) -> str:
+    text = FENCE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+    return re.sub(r"`[^`\n]+`|<!--.*?-->", lambda m: " " * len(m.group(0)), text, flags=re.S)
+
+
+def worded_comparisons(text: str) -> list[tuple[int, str]]:
+    """(offset, sentence) of each comparison of measured quantities in words about this notebook's runs that does
+    not point at a printed comparison. A paragraph (or list item) is the unit a pointer or a citation covers; the
+    sentence, or the one before it, must say that it is about the runs here."""
+    found = []
+    clean = blank_code(text)
+    starts = [0] + [m.end() for m in re.finditer(r"\n\s*\n|\n(?=\s*(?:[-*]|\d+\.) )", clean)] + [len(clean)]
+    for begin, end in zip(starts, starts[1:]):
+        raw, paragraph = text[begin:end], clean[begin:end]
+        if POINTS.search(raw) or CITED.search(raw):
+            continue
+        cuts = [0] + [m.end() for m in CLAUSE.finditer(paragraph)] + [len(paragraph)]
+        sentences = [(a, paragraph[a:b]) for a, b in zip(cuts, cuts[1:])]
+        for k, (at, sentence) in enumerate(sentences):
+            said = COMPARATIVE.search(sentence)
+            if not said or not (SPEED.search(said.group(0)) or TIMING.search(sentence)):
+                continue
+            if not (HERE.search(sentence) or (k and HERE.search(sentences[k - 1][1]))):
+                continue
+            if sentence.rstrip().endswith("?") or ELSEWHERE.search(sentence) or WITH_NUMBERS.search(sentence) \
+                    or VARIES.search(sentence):
+                continue
+            found.append((begin + at + said.start(), " ".join(sentence.split())))
+    return found
+
+
+def prints_comparison(cells: list[dict], covered: range) -> bool:
+    return any(cells[i]["cell_type"] == "code" and PRINTS.search(cells[i]["source"]) for i in covered)
+
+
+def notebook_cells(files: Files, stem: str) -> list:
+    """The notebook's cells as nbformat nodes (dicts that the slide export also reads by attribute)."""
+    return nbformat.reads(files.read(f"notebooks/{stem}.ipynb"), as_version=4).cells
+
+
+def comparison_problems(files: Files) -> list[str]:
+    problems = []
+    for stem in files.listing("notebooks", ".ipynb"):
+        cells = notebook_cells(files, stem)
+        # a cell's pointer may name a line anywhere in its notebook ("under the bubble table", from the summary);
+        # a notes section's, a line among the cells its slides show
+        places = [(f"{stem} md[{i}]", c["source"], range(len(cells)))
+                  for i, c in enumerate(cells) if c["cell_type"] == "markdown"]
+        notes = files.read(f"slides/notes/{stem}.md")
+        if notes:
+            sections, _ = notes_sections(cells, notes)
+            places += [(f"slides/notes/{stem}.md \u00a7 {heading}", body, covered) for heading, body, covered in sections]
+        for where, text, covered in places:
+            for at, sentence in worded_comparisons(text):
+                problems.append(f"{where_in(where, text, at)}: a measured comparison in words; print it where it is "
+                                f"measured (measure.comparison / trend) and point at the 'compared here:' line: "
+                                f"{sentence[:160]}")
+            if POINTS.search(text) and not prints_comparison(cells, covered):
+                problems.append(f"{where}: points at a 'compared here:' line, but no cell of its section prints one")
+    return problems
+
+
+# ---- run times in the speaker notes ----
+
+SPANS = {"seconds": (1, 59), "a few seconds": (2, 10), "few seconds": (2, 10), "several seconds": (3, 15),
+         "tens of seconds": (10, 90), "minutes": (60, 3599), "a few minutes": (120, 600),
+         "several minutes": (180, 900), "hours": (3600, 86400)}
+SPOKEN = r"(?:one|two|three|four|five|six|seven|eight|nine|ten|fifteen|twenty|thirty|a couple of|an|a)(?=\s)"
+NOTES_DURATION = re.compile(
+    rf"(?P<vague>(?:a few|few|several|tens of)\s+(?:seconds|minutes)|seconds|minutes|hours)\b"
+    rf"|(?P<a>\d+(?:\.\d+)?|{SPOKEN})\s*(?:(?:-|\u2013|to|or)\s*(?P<b>\d+(?:\.\d+)?|{SPOKEN})\s*)?(?P<unit>{UNIT})"
+    rf"(?:\s+or\s+(?P<more>more|longer))?",
+    re.IGNORECASE)
+AT_MOST = re.compile(r"(?i)\b(?:under|up\s+to|at\s+most|less\s+than)\s+$")
+HEDGED = re.compile(r"(?i)\b(?:can|could|may|might)\s+$")
+SLOW_CELL = re.compile(r"(?i)\b(?P<which>slowest|slow)\s+cells?\b(?P<notebook>\s+(?:of|in)\s+the\s+notebook)?")
+
+
+def notes_durations(text: str) -> list[tuple[int, str, tuple[float, float]]]:
+    """(offset, sentence, (low, high) s) of each duration after a verb of running ("takes about 20-25 s", "takes
+    under a minute", "runs in seconds"), unless the sentence is about a GPU or a parallel file system, or hedged
+    ("can take minutes")."""
+    found = []
+    clean = blank_code(text)
+    starts = [0] + [m.end() for m in SENTENCE.finditer(clean)] + [len(clean)]
+    for begin, end in zip(starts, starts[1:]):
+        sentence = clean[begin:end]
+        if any(m["gpu"] for m in DEVICE.finditer(sentence)) or ELSEWHERE.search(sentence):
+            continue   # not what the stored cells ran
+        for verb in VERB.finditer(sentence):
+            d = NOTES_DURATION.match(sentence, verb.end())
+            if not d or HEDGED.search(sentence[:verb.start()]):
+                continue
+            if d["vague"]:
+                span = SPANS[" ".join(d["vague"].lower().split())]
+            else:
+                unit = SCALE[d["unit"].lower()]
+                values = [number(d[k]) * unit for k in ("a", "b") if d[k]]
+                span = (min(values), float("inf") if d["more"] else max(values))
+            if AT_MOST.search(sentence[:d.start()]):
+                span = (0.0, span[1])
+            found.append((begin + d.start(), " ".join(sentence.split()), span))
+    return found
+
+
+def notes_runtime_problems(files: Files) -> list[str]:
+    problems = []
+    for stem in files.listing("notebooks", ".ipynb"):
+        notes = files.read(f"slides/notes/{stem}.md")
+        if not notes:
+            continue
+        cells = notebook_cells(files, stem)
+        times = {i: t for i, c in enumerate(cells) if c["cell_type"] == "code" and (t := cell_seconds(c)) is not None}
+        if not times:
+            continue
+        slowest = max(times, key=times.get)
+        sections, _ = notes_sections(cells, notes)
+        for heading, body, covered in sections:
+            mine = [times[i] for i in covered if i in times]
+            if not mine:
+                continue
+            recorded = mine + [sum(mine)]
+            where = f"slides/notes/{stem}.md \u00a7 {heading}"
+            shown = ", ".join(f"{t:.1f}" for t in sorted(mine, reverse=True)[:3])
+            for at, sentence, (low, high) in notes_durations(body):
+                if not any(low / SLACK <= t <= high * SLACK for t in recorded):
+                    problems.append(f"{where_in(where, body, at)}: {fmt((low, high)) if high < 1e9 else fmt((low, low)) + ' or more'}"
+                                    f", but the cells of this section ran {shown} s (in all {sum(mine):.1f} s): "
+                                    f"{sentence[:160]}")
+            for m in SLOW_CELL.finditer(blank_code(body)):
+                if m["which"].lower() == "slowest" and m["notebook"]:
+                    if slowest not in covered:
+                        problems.append(f"{where_in(where, body, m.start())}: '{m.group(0)}', but the notebook's "
+                                        f"slowest cell is [{slowest}] ({times[slowest]:.1f} s), not in this section")
+                elif max(mine) < SLOW_S:
+                    problems.append(f"{where_in(where, body, m.start())}: '{m.group(0)}', but no cell of this section "
+                                    f"ran {SLOW_S:g} s or more (the slowest {max(mine):.1f} s)")
+    return problems
+
+
 # ---- an exercise's mistakes counted twice ----
 
 COUNTED = re.compile(r"(?i)\b(one|two|three|four|five|six|\d)\s+(?:[\w-]+\s+)?(?:mistakes|bugs|errors|faults)\b")
@@ -271,7 +456,7 @@ def exercise_problems(files: Files) -> list[str]:
     return problems
 
 
-CHECKS = [reference_problems, runtime_problems, exercise_problems]
+CHECKS = [reference_problems, runtime_problems, exercise_problems, comparison_problems, notes_runtime_problems]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
@@ -395,3 +580,79 @@ def test_review_4_items_caught_on_984c965():
     }
     assert all(found.values()), [item for item, ok in found.items() if not ok]
     assert len(found) >= 10
+
+
+@pytest.mark.parametrize("text, flagged", [
+    ("The stored outputs come from a 2-core VM: its epochs below run several times slower than the fp32 run after "
+     "them (compare their samples/s).", True),                                                    # N1
+    ("- Pipeline parallel: with free messages more micro-batches shrink it; on a shared CPU the measured idle time "
+     "did not fall with m.", True),                                                               # N2
+    ("Compare the times above. On a laptop the files land in the page cache, so staging costs about what the "
+     "blocking save costs.", True),                                                               # N3
+    ("Compare the times above: the `compared here:` lines give both. Staging costs about what the save costs.",
+     False),                                                                                      # points at it
+    ("Which one is faster here?", False),                                                          # a question
+    ("Here DDP took 1.9 s and Horovod 1.6 s, so Horovod was faster.", False),                      # its numbers
+    ("On an A100 bf16 is faster than fp32 here.", False),                                          # other hardware
+    ("The wrapper has come out both faster and slower than the plain model here.", False),         # no direction
+    ("We drop the first three steps and take the median of the times measured.", False),          # no comparison
+])
+def test_worded_comparisons_are_read(text, flagged):
+    assert bool(worded_comparisons(text)) is flagged
+
+
+@pytest.mark.parametrize("text, span", [
+    ("Each launch takes about 20-25 s on a laptop.", (20, 25)),
+    ("The launch takes a minute or more on a laptop.", (60, float("inf"))),
+    ("Together they take under a minute.", (0, 60)),
+    ("It runs in seconds on a CPU.", (1, 59)),
+    ("The launch takes tens of seconds, so talk over it.", (10, 90)),
+    ("Each skeleton runs as stored and is wrong.", None),               # "as" is no "a s"
+    ("Then a real Slurm (can take minutes).", None),                    # hedged
+    ("On a GPU node each launch takes about 3 min.", None),             # not what was recorded
+    ("On Lustre the write is what takes minutes.", None),
+])
+def test_notes_durations_are_read(text, span):
+    found = notes_durations(text)
+    assert (found[0][2] if found else None) == span
+
+
+def test_comparison_lines():
+    from tutorial.lessons.measure import comparison, trend
+    assert comparison("bf16", 6096, "fp32", 5537, "samples/s") == \
+        "compared here: bf16 6096 samples/s against fp32 5537 samples/s: bf16 is 1.10x fp32"
+    assert trend("idle", "m", [2, 4, 8], [0.40, 0.35, 0.29]).endswith("it fell at every step, to 0.72x its value at m = 2")
+    assert "did not move one way at every step" in trend("idle", "m", [2, 4, 8], [0.39, 0.33, 0.38])  # review 4's run
+    assert "rose at every step" in trend("idle", "m", [2, 4, 8], [0.1, 0.2, 0.3])
+
+
+def test_the_checks_find_what_review_5_found():
+    """Negative control: on 4e6582a (the commit review 5 read) the comparison check finds N1-N5 (04 md[22], 11
+    md[48], 09 md[19], notes 09 and 05), and the notes' run-time check N13's "slow cell"s and "a minute or more";
+    test_quoted_numbers's range rule no longer lets notes 08's "20-25 s" match "23 batches"."""
+    files = Files(REVIEWED_5)
+    if files.read("slides/course_plan.md") is None:
+        pytest.skip(f"{REVIEWED_5} is not in this clone (a shallow checkout)")
+    compared = "\n".join(comparison_problems(files))
+    for place in ("04_mixed_precision md[22] line 6", "11_model_parallelism md[48] line 28",
+                  "09_sharded_training md[19] line 2", "slides/notes/09_sharded_training.md \u00a7 Saving while",
+                  "slides/notes/05_horovod.md \u00a7 DDP and Horovod side by side"):
+        assert place in compared, place
+    runtimes = "\n".join(notes_runtime_problems(files))
+    for place in ("02_data_parallel.md \u00a7 Train with the DataParallel trainer: 'slow cell'",
+                  "04_mixed_precision.md \u00a7 Training in bf16: 'slow cells'",
+                  "08_lightning.md \u00a7 One process first line 1: 'slowest cell of the notebook'",
+                  "08_lightning.md \u00a7 The simple profiler line 1: 'slow cell'",
+                  "10_when_things_go_wrong.md \u00a7 8. torchrun restarts its workers line 1: 60 s or more"):
+        assert place in runtimes, place
+
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_q5", Path(__file__).with_name("test_quoted_numbers.py"))
+    quoted = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = quoted
+    spec.loader.exec_module(quoted)
+    stem = "08_lightning"
+    found = "\n".join(quoted.unmatched(ROOT / "notebooks" / f"{stem}.ipynb",
+                                       json.loads(files.read(f"notebooks/{stem}.ipynb")),
+                                       files.read(f"slides/notes/{stem}.md")))
+    assert "'25 s' is not in 08_lightning's outputs" in found and "about 20-25 s on a laptop" in found

@@ -21,10 +21,14 @@ time in whole seconds ("each launch takes about 25 s"). They match when they agr
 prints: `0.62` matches 0.615 to 0.625, `2.2` matches 2.15 to 2.25; an integer's trailing zeros are not significant
 (`4,800` matches 4,750 to 4,850), but the tolerance never exceeds 5% of the value (`100%` matches 95 to 105). A
 percent also matches the fraction (`78.8%` ~ 0.7883), a time in s/ms/µs the same time printed in the neighbouring
-unit (s, ms, µs), and a range (`20-25 s`) any number within it. Units are not compared: the check catches a stale value, it does
-not prove which output a sentence means. A number read from an output that changes from run to run (a time, a
-samples/s) must be brought up to date when the notebook is re-executed; prose that should survive that says "several
-times slower" or gives a range.
+unit (s, ms, µs), and a range (`20-25 s`) a number within it; a range of times only a time (printed with its unit,
+or a cell's recorded run time), so that "each launch takes about 20-25 s" no longer matches "23 batches". Other units
+are not compared: the check catches a stale value, it does not prove which output a sentence means. A number read
+from an output that changes from run to run (a time, a samples/s) must be brought up to date when the notebook is
+re-executed. Prose that should survive a re-run gives no such number and no direction in words ("several times
+slower" went stale when a re-run reversed it): the cell that measures prints the comparison with
+`tutorial.lessons.measure.comparison` or `trend`, and the prose points at its "compared here:" line
+(`test_prose_claims.py` flags a measured comparison in words that does not).
 
 A number that is not in this notebook is marked after it with an HTML comment (invisible in the notebook, in the
 slides and in the speaker view). A marker covers the numbers before it in its paragraph, table or list item (a
@@ -254,6 +258,21 @@ def output_numbers(notebook: dict) -> list[float]:
     return values
 
 
+TIMED_OUTPUT = re.compile(rf"(?<![\w.])(\d*\.?\d+)\s?(?:{'|'.join(map(re.escape, sorted(TIME_UNITS, key=len, reverse=True)))})"
+                          r"(?![\w/])")
+
+
+def timed_numbers(notebook: dict) -> list[float]:
+    """The times the notebook shows with their unit ("took 23 s", "0.476 ms") and its cells' recorded run times in
+    whole seconds: what a time quoted as a range may match ("each launch takes about 20-25 s" must not match
+    "23 batches")."""
+    values = [float(round(t)) for c in notebook["cells"]
+              if c["cell_type"] == "code" and (t := cell_seconds(c)) is not None]
+    for _, text in output_text(notebook):
+        values += [float(m.group(1)) for m in TIMED_OUTPUT.finditer(text)]
+    return values
+
+
 def load(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
@@ -281,6 +300,12 @@ def quotes_of(notebook: dict, notes: str | None) -> list[Quote]:
     return found
 
 
+def timed_only(quote: Quote) -> bool:
+    """A range of times: any number within it once matched ("20-25 s" matched "23 batches"), so only times match it.
+    (A single time may restate a setting of the code, `timeout=10`, and matches any number.)"""
+    return quote.low is not None and quote.unit in TIME_UNITS
+
+
 def unmatched(path: Path, notebook: dict | None = None, notes: str | None = None) -> list[str]:
     """One message per quoted number of a notebook (and its notes) that its outputs do not show.
 
@@ -290,8 +315,8 @@ def unmatched(path: Path, notebook: dict | None = None, notes: str | None = None
     if notes is None:
         notes_path = NOTES / f"{path.stem}.md"
         notes = notes_path.read_text(encoding="utf-8") if notes_path.exists() else None
-    own = output_numbers(notebook)
-    cache: dict[str, list[float]] = {}
+    own, own_timed = output_numbers(notebook), timed_numbers(notebook)
+    cache: dict[str, tuple[list[float], list[float]]] = {}
     problems = []
     for quote in quotes_of(notebook, notes):
         if quote.source:
@@ -301,10 +326,12 @@ def unmatched(path: Path, notebook: dict | None = None, notes: str | None = None
                                 f"({quote.text})")
                 continue
             if other.stem not in cache:
-                cache[other.stem] = output_numbers(load(other))
-            pool, whose = cache[other.stem], other.stem
+                cache[other.stem] = output_numbers(load(other)), timed_numbers(load(other))
+            (pool, timed), whose = cache[other.stem], other.stem
         else:
-            pool, whose = own, path.stem
+            pool, timed, whose = own, own_timed, path.stem
+        if timed_only(quote):
+            pool = timed
         if not matches(quote, pool):
             near = sorted(set(pool), key=lambda v: abs(v - quote.value))[:3]
             shown = ", ".join(f"{v:g}" for v in near) or "none"
@@ -341,6 +368,7 @@ if "pytest" in sys.modules:
         ("it took 1.8x less", "1.79", True),
         ("each launch takes about 20-25 s", "took 23 s", True),          # a range
         ("each launch takes about 20-25 s", "took 31 s", False),
+        ("each launch takes about 20-25 s", "23 batches, took 9 s", False),   # a range of times: times only
         ("0.58 s <!-- cited: seed 004's README -->", "nothing", True),   # a fact from elsewhere, its source named
         ("0.58 s <!-- cited: -->", "nothing", False),                    # a marker needs a source
         ("0.6833 <!-- derived: mean of 0.9000 and 0.4667 -->", "0.9000 0.4667", True),
