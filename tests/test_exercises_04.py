@@ -1,10 +1,13 @@
 """04_mixed_precision's exercises: each checker accepts the package's solution and rejects the unedited skeleton,
-naming the mistake (clipping scaled gradients; fp16 gradients underflowing without a GradScaler)."""
+naming the mistake (clipping scaled gradients; fp16 gradients underflowing without a GradScaler). Both are fp16 steps,
+the precision that needs the scaler."""
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
-from conftest import skeleton
+from conftest import exercise_cell, skeleton
 
 from tutorial.lessons import mixed_precision as lesson
 
@@ -43,14 +46,30 @@ def test_exercise_1_accepts_clipping_the_scaled_norm_and_names_an_unclipped_step
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())
     scaler.step(optimizer)
     scaler.update()
-    optimizer.zero_grad()""", autocast="torch.autocast(X.device.type, dtype=torch.bfloat16)")
+    optimizer.zero_grad()""")
     assert lesson.check_clipping(scaled_norm).startswith("correct: the true gradient norm 0.32")
     unclipped = answer("clipped_step", """
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     scaler.step(optimizer)
-    scaler.update()""", autocast="torch.autocast(X.device.type, dtype=torch.bfloat16)")
+    scaler.update()""")
     assert lesson.check_clipping(unclipped).startswith("wrong: the optimizer got a gradient of norm 0.32")
+
+
+def test_exercise_1_is_the_fp16_step_and_names_bf16_with_a_scaler():
+    """04's prose: bf16 needs no GradScaler. The exercise is the fp16 step (review 5, N6: it taught bf16 with an
+    active scaler); the package's solution passes, and the same step in bf16 is named, not accepted."""
+    solution = inspect.getsource(lesson.solution_clipped_step)
+    assert "dtype=torch.float16" in solution and "bfloat16" not in solution
+    assert "dtype=torch.float16" in exercise_cell("04_mixed_precision", "### Exercise 1")
+    in_bf16 = answer("clipped_step", """
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()""", autocast="torch.autocast(X.device.type, dtype=torch.bfloat16)")
+    verdict = lesson.check_clipping(in_bf16)
+    assert verdict.startswith("wrong: the forward ran in bfloat16, not fp16") and "bf16 needs none" in verdict
 
 
 def test_exercise_2_accepts_an_explicit_unscale_and_rejects_dropping_fp16():

@@ -24,9 +24,10 @@
   (faster, slower, falls, grows, about the same, N times, ...: words of time, speed or idleness) about this
   notebook's runs (here, below, measured, the table, a 2-core machine, ...) must point at the line the measuring cell
   prints with `tutorial.lessons.measure.comparison` or `trend` ("compared here: bf16 6096 samples/s against fp32
-  5537 samples/s: bf16 is 1.10x fp32"), in its notebook (for the notes: in the cells their section covers). Not such claims:
-  questions, sentences that give their numbers (`test_quoted_numbers.py` checks those), sentences about other
-  hardware (a GPU, Lustre) or about the seeds' cited tables, and sentences that say a result changes from run to run.
+  5537 samples/s: bf16 is 1.10x fp32"), in its notebook (for the notes: in the cells their section covers). Not
+  such claims: questions, sentences that give their numbers (`test_quoted_numbers.py` checks those), sentences
+  about other hardware (a GPU, Lustre) or about the seeds' cited tables, and sentences that say a result changes from
+  run to run.
 - **Run times in the speaker notes.** "The slow cell (about a minute on a CPU)" stood beside a cell that ran 1.5 s,
   "each launch takes about 20-25 s" beside launches of 8-10 s (review 5, N13). A duration after a verb of running
   ("takes about a minute", "tens of seconds", "20-25 s") in a notes section, unless it is about a GPU, must be within
@@ -257,7 +258,8 @@ def fmt(span: tuple[float, float] | None) -> str:
 COMPARATIVE = re.compile(
     r"(?i)\b(?:faster|slower|quicker|sooner|(?:longer|shorter|later|more|less|fewer|larger|smaller|higher|lower) than|"
     r"(?:did|does|do)(?:n't| not) (?:fall|grow|shrink|rise|drop|change)|falls?|fell|falling|grows?|grew|growing|"
-    r"shrinks?|shrank|rises?|rose|(?:drops?|dropped)(?= (?:with|to|from|as|by|below))|about the same|the same as|about (?:the time|what)|"
+    r"shrinks?|shrank|rises?|rose|(?:drops?|dropped)(?= (?:with|to|from|as|by|below))|about the same|the same as|"
+    r"about (?:the time|what)|"
     r"as (?:fast|slow|long|quick) as|(?:several|many|\w+|\d+(?:\.\d+)?) times (?:faster|slower|more|less|longer|"
     r"shorter|larger|smaller|as)|comes? out ahead|ahead of|beats?|outperforms?|reverses|wins?)\b")
 SPEED = re.compile(r"(?i)faster|slower|quicker|sooner|ahead|beat|outperform|win")
@@ -267,7 +269,8 @@ TIMING = re.compile(r"(?i)samples/s|images/s|throughput|speed|\btimes?\b(?! (?:f
 HERE = re.compile(r"(?i)\b(?:here|below|above|measured|stored outputs?|these (?:runs|times|numbers|timings)|"
                   r"the (?:times|timings|table)|this (?:machine|VM|laptop|CPU|run)|2-core|compare|shared CPU)\b")
 ELSEWHERE = re.compile(r"(?i)\b(?:GPUs?|A100|H100|V100|Lustre|GPFS|parallel file system|asserted)\b")
-WITH_NUMBERS = re.compile(r"\d(?:[\d,.]*\d)?\s?(?:x\b|×|%|s\b|ms\b|µs\b|samples/s|MB|GB)|\b(?:two|three|four|ten)-fold\b")
+WITH_NUMBERS = re.compile(r"\d(?:[\d,.]*\d)?\s?(?:x\b|×|%|s\b|ms\b|µs\b|samples/s|MB|GB)"
+                          r"|\b(?:two|three|four|ten)-fold\b")
 VARIES = re.compile(r"(?i)from run to run|either direction|both faster and slower")
 CITED = re.compile(r"(?i)\bseeds? \d{3}\b|<!--\s*cited")
 POINTS = re.compile(r"(?i)compared here")
@@ -326,7 +329,8 @@ def comparison_problems(files: Files) -> list[str]:
         notes = files.read(f"slides/notes/{stem}.md")
         if notes:
             sections, _ = notes_sections(cells, notes)
-            places += [(f"slides/notes/{stem}.md \u00a7 {heading}", body, covered) for heading, body, covered in sections]
+            places += [(f"slides/notes/{stem}.md \u00a7 {heading}", body, covered)
+                       for heading, body, covered in sections]
         for where, text, covered in places:
             for at, sentence in worded_comparisons(text):
                 problems.append(f"{where_in(where, text, at)}: a measured comparison in words; print it where it is "
@@ -401,9 +405,9 @@ def notes_runtime_problems(files: Files) -> list[str]:
             shown = ", ".join(f"{t:.1f}" for t in sorted(mine, reverse=True)[:3])
             for at, sentence, (low, high) in notes_durations(body):
                 if not any(low / SLACK <= t <= high * SLACK for t in recorded):
-                    problems.append(f"{where_in(where, body, at)}: {fmt((low, high)) if high < 1e9 else fmt((low, low)) + ' or more'}"
-                                    f", but the cells of this section ran {shown} s (in all {sum(mine):.1f} s): "
-                                    f"{sentence[:160]}")
+                    said = fmt((low, high)) if high < float("inf") else fmt((low, low)) + " or more"
+                    problems.append(f"{where_in(where, body, at)}: {said}, but the cells of this section ran {shown} s"
+                                    f" (in all {sum(mine):.1f} s): {sentence[:160]}")
             for m in SLOW_CELL.finditer(blank_code(body)):
                 if m["which"].lower() == "slowest" and m["notebook"]:
                     if slowest not in covered:
@@ -621,7 +625,8 @@ def test_comparison_lines():
     from tutorial.lessons.measure import comparison, trend
     assert comparison("bf16", 6096, "fp32", 5537, "samples/s") == \
         "compared here: bf16 6096 samples/s against fp32 5537 samples/s: bf16 is 1.10x fp32"
-    assert trend("idle", "m", [2, 4, 8], [0.40, 0.35, 0.29]).endswith("it fell at every step, to 0.72x its value at m = 2")
+    assert trend("idle", "m", [2, 4, 8], [0.40, 0.35, 0.29]).endswith(
+        "it fell at every step, to 0.72x its value at m = 2")
     assert "did not move one way at every step" in trend("idle", "m", [2, 4, 8], [0.39, 0.33, 0.38])  # review 4's run
     assert "rose at every step" in trend("idle", "m", [2, 4, 8], [0.1, 0.2, 0.3])
 

@@ -258,8 +258,8 @@ def output_numbers(notebook: dict) -> list[float]:
     return values
 
 
-TIMED_OUTPUT = re.compile(rf"(?<![\w.])(\d*\.?\d+)\s?(?:{'|'.join(map(re.escape, sorted(TIME_UNITS, key=len, reverse=True)))})"
-                          r"(?![\w/])")
+TIME_UNIT = "|".join(map(re.escape, sorted(TIME_UNITS, key=len, reverse=True)))
+TIMED_OUTPUT = re.compile(rf"(?<![\w.])(\d*\.?\d+)\s?(?:{TIME_UNIT})(?![\w/])")
 
 
 def timed_numbers(notebook: dict) -> list[float]:

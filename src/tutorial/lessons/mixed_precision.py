@@ -175,21 +175,45 @@ def _reference_gradient(model, X, y, max_norm=None) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
+def _forward_dtypes(model: nn.Module) -> set:
+    """What the model's Linear layers compute in, filled as it runs: fp16 under autocast(dtype=torch.float16)."""
+    dtypes = set()
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            layer.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype))
+    return dtypes
+
+
+def _not_fp16(dtypes: set, why: str) -> str | None:
+    if not dtypes or dtypes == {torch.float16}:
+        return None
+    names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+    return f"wrong: the forward ran in {names}, not fp16: {why}"
+
+
 def check_clipping(clipped_step, max_norm: float = 0.1) -> str:
-    """Exercise 1: clipped_step(model, optimizer, scaler, X, y, max_norm) must clip the TRUE gradient norm to
-    max_norm, with a GradScaler whose scale is 65536 (its default)."""
+    """Exercise 1: clipped_step(model, optimizer, scaler, X, y, max_norm), an fp16 step, must clip the TRUE gradient
+    norm to max_norm, with a GradScaler whose scale is 65536 (its default). fp16 is the precision that needs the
+    scaler; a bf16 step needs none (04's prose), so the checker asks for fp16."""
     model, X, y = _mlp()
     true_norm = _reference_gradient(model, X, y).norm().item()
     expected = _reference_gradient(model, X, y, max_norm)
     scaler = torch.amp.GradScaler("cpu")
+    trained = copy.deepcopy(model)
+    dtypes = _forward_dtypes(trained)
     try:
-        seen = _gradient_seen(clipped_step, copy.deepcopy(model), X, y, scaler, max_norm=max_norm)
+        seen = _gradient_seen(clipped_step, trained, X, y, scaler, max_norm=max_norm)
     except Exception as exc:  # noqa: BLE001 -- the learner's code; report it
         return f"wrong: it raised {describe(exc)}"
+    wrong = _not_fp16(dtypes, "this is the fp16 step, the one that needs the GradScaler (bf16 needs none, and a "
+                              "scaler with it only multiplies and divides); keep torch.autocast(..., "
+                              "dtype=torch.float16)")
+    if wrong:
+        return wrong
     if seen is None:
         return "wrong: optimizer.step() was never called: the step was skipped (call scaler.step(optimizer))"
     got = seen.norm().item()
-    if ((seen - expected).norm() / expected.norm()).item() < 0.05:    # bf16 autocast rounds: 5 %
+    if ((seen - expected).norm() / expected.norm()).item() < 0.05:    # fp16 autocast rounds: 5 % is ample
         return f"correct: the true gradient norm {true_norm:.2f} was clipped to {got:.3f}"
     if got < max_norm / 100:
         return (f"wrong: the optimizer got a gradient of norm {got:.2g} instead of {max_norm}, "
@@ -203,7 +227,7 @@ def check_clipping(clipped_step, max_norm: float = 0.1) -> str:
 
 
 def solution_clipped_step(model, optimizer, scaler, X, y, max_norm=1.0):
-    with torch.autocast(X.device.type, dtype=torch.bfloat16):
+    with torch.autocast(X.device.type, dtype=torch.float16):
         loss = F.cross_entropy(model(X), y)
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)                      # the true gradients, so that clipping sees their real norm
@@ -235,10 +259,7 @@ def check_fp16_step(fp16_step) -> str:
     moving = expected.abs() > 1e-3 * expected.abs().max()       # the gradients that matter
     scaler = torch.amp.GradScaler("cpu")
     trained = copy.deepcopy(model)
-    dtypes = set()  # what the Linear layers computed in: fp16 under autocast(dtype=torch.float16)
-    for layer in trained.modules():
-        if isinstance(layer, nn.Linear):
-            layer.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype))
+    dtypes = _forward_dtypes(trained)
     try:
         seen = _gradient_seen(fp16_step, trained, X, y, scaler)
     except Exception as exc:  # noqa: BLE001
@@ -247,11 +268,11 @@ def check_fp16_step(fp16_step) -> str:
                     "scaler.step unscales the gradients (and skips the step on inf/nan); call it instead of "
                     "optimizer.step()")
         return f"wrong: it raised {describe(exc)}"
-    if dtypes and dtypes != {torch.float16}:
-        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-        return (f"wrong: the forward ran in {names}, not fp16: the step must stay fp16 (V100s and older GPUs have no "
-                "fast bf16, and fp32 gives up the speed); keep torch.autocast(..., dtype=torch.float16) and make "
-                "its gradients survive with the GradScaler")
+    wrong = _not_fp16(dtypes, "the step must stay fp16 (V100s and older GPUs have no fast bf16, and fp32 gives up "
+                              "the speed); keep torch.autocast(..., dtype=torch.float16) and make its gradients "
+                              "survive with the GradScaler")
+    if wrong:
+        return wrong
     if seen is None:
         return "wrong: optimizer.step() was never called (scaler.step(optimizer) calls it unless gradients overflow)"
     stuck = ((seen == 0) & moving).sum().item() / moving.sum().item()
