@@ -136,3 +136,13 @@ def test_on_every_rank_turns_the_learners_error_into_text_and_leaves_no_group():
     finally:
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
             os.environ.pop(name, None)
+
+
+def test_memory_table_puts_a_gpu_ranks_peak_beside_the_tensor_bytes():
+    """09's table: tensor bytes on every rank; on GPU ranks also torch.cuda.max_memory_allocated's peak (review 5,
+    item 8). CPU ranks' tables keep their columns (the stored output of 09 stays as it is)."""
+    from tutorial.lessons import sharded
+    row = dict(strategy="ddp", parameters=4e6, gradients=4e6, optimizer_state=4e6, master_copy=0)
+    assert "GPU peak MB" not in sharded.memory_table([dict(row, gpu_peak=None)])[0]
+    on_gpu = sharded.memory_table([dict(row, gpu_peak=30e6)])[0]
+    assert on_gpu["GPU peak MB"] == 30 and on_gpu["total MB"] == 12

@@ -63,7 +63,10 @@ def held_bytes(module, optimizer) -> dict:
 def memory_per_rank(cfg: TrainConfig, strategy: str) -> dict:
     """Run on every engine: build the model exactly as the trainer does (its setup and build), take one optimizer
     step (so the optimizer state exists), run one more forward and backward (so the gradients exist), and return
-    the bytes this rank holds. strategy: ddp, zero1, zero2, zero3 or fsdp."""
+    the bytes this rank holds (tensor bytes, on any device). On a GPU rank also `gpu_peak`, what
+    torch.cuda.max_memory_allocated saw from the build to the last backward (activations, buckets and the allocator's
+    blocks included: what an out-of-memory error is about); None on a CPU rank. strategy: ddp, zero1, zero2, zero3 or
+    fsdp."""
     from .. import train_ddp, train_deepspeed, train_fsdp
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not one of: {', '.join(STRATEGIES)}")
@@ -76,6 +79,9 @@ def memory_per_rank(cfg: TrainConfig, strategy: str) -> dict:
     try:
         if deepspeed:
             join_group(device, created)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
         built = trainer.build(cfg, device, precision) if strategy == "fsdp" else trainer.build(cfg, device)
         model, optimizer, loader, _, _ = built
         X, y = (t.to(device) for t in next(iter(loader)))
@@ -87,14 +93,16 @@ def memory_per_rank(cfg: TrainConfig, strategy: str) -> dict:
         module = model.module if hasattr(model, "module") else model
         held = held_bytes(module, optimizer)
         full = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.parameters())
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         return dict(strategy=strategy, rank=dist.get_rank(), world_size=dist.get_world_size(), parameter_count=full,
-                    **held)
+                    gpu_peak=peak, **held)
     finally:
         teardown(created)
 
 
 def memory_table(rows: list[dict]) -> list[dict]:
-    """The measurements as a table in MB, with the total and its share of DDP's."""
+    """The measurements as a table in MB, with the total and its share of DDP's; measured on GPU ranks, their peak
+    allocated memory beside the tensor bytes."""
     ddp = next(sum(r[k] for k in ("parameters", "gradients", "optimizer_state", "master_copy"))
                for r in rows if r["strategy"] == "ddp")
     table = []
@@ -103,6 +111,8 @@ def memory_table(rows: list[dict]) -> list[dict]:
         table.append({"strategy": r["strategy"], "parameters MB": r["parameters"] / 1e6,
                       "gradients MB": r["gradients"] / 1e6, "optimizer MB": r["optimizer_state"] / 1e6,
                       "fp32 copy MB": r["master_copy"] / 1e6, "total MB": total / 1e6, "of DDP": total / ddp})
+        if any(row.get("gpu_peak") is not None for row in rows):
+            table[-1]["GPU peak MB"] = r["gpu_peak"] / 1e6 if r.get("gpu_peak") is not None else None
     return table
 
 
