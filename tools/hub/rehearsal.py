@@ -1,5 +1,6 @@
-"""`make hub`: the workshop's hub on one machine, for an instructor's rehearsal (root; tests/test_hub.py uses the same
-pieces).
+"""`make hub`: the workshop's hub rehearsed on one machine, as root, with virtual nodes and a real Slurm.
+
+tests/test_hub.py uses the same pieces.
 
     make hub                                  # or: PYTHONPATH=tools .venv/bin/python -m hub.rehearsal --help
     make hub HUB_ATTENDEES=alice,bob          # also make these two accounts (random passwords), removed at the end
@@ -30,6 +31,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LOGIN = "node1"            # the virtual login node: hub, proxy, slurmctld
 CONFIG = HERE / "jupyterhub_config.py"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # bad input: one line and exit code 2, as every command of the workbook
+        print(f"error: {message} (see make hub's --help)", file=sys.stderr)
+        raise SystemExit(2)
 
 
 class HubError(RuntimeError):
@@ -158,7 +165,7 @@ class Hub:
 
 # -------------------------------------------------------------------------------------------------- make hub
 def main(argv: list[str] | None = None) -> int:
-    args = argparse.ArgumentParser(prog="make hub", description=__doc__.splitlines()[0])
+    args = _Parser(prog="make hub", description=__doc__.splitlines()[0])
     args.add_argument("--nodes", type=int, default=2, help="virtual nodes (node1 is also the login node)")
     args.add_argument("--gpus", type=int, default=2, help="GPUs per node, as Slurm hands them out")
     args.add_argument("--port", type=int, default=8000, help="the hub's address here: http://127.0.0.1:PORT")
