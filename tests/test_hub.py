@@ -22,6 +22,7 @@ import pwd
 import re
 import shutil
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,8 +66,7 @@ def missing() -> str:
 
 
 WHY_NOT = missing()
-pytestmark = [pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "ready"),
-              pytest.mark.usefixtures("nothing_left_behind")]  # conftest's: every process this test started is gone
+pytestmark = pytest.mark.usefixtures("nothing_left_behind")  # conftest's: every process a test started is gone
 
 
 def site_file(tmp_path: Path) -> Path:
@@ -104,6 +104,15 @@ def wait_until(what: str, ready, timeout: float) -> float:
     return time.monotonic() - start
 
 
+def test_make_hub_says_what_is_wrong_in_one_line():
+    for args, expected in [(["--port", "x"], "error: argument --port: invalid int value: 'x' (see make hub's --help)"),
+                           (["--gpu", "1"], "error: unrecognized arguments: --gpu 1 (see make hub's --help)")]:
+        proc = subprocess.run([sys.executable, "-m", "hub.rehearsal", *args], capture_output=True, text=True,
+                              timeout=60, env=dict(os.environ, PYTHONPATH=f"{ROOT / 'tools'}:{ROOT / 'src'}"))
+        assert proc.returncode == 2 and proc.stderr.strip() == expected, (args, proc.stderr)
+
+
+@pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "ready")
 def test_two_attendees_log_in_run_00_on_slurm_jobs_and_leave_nothing(tmp_path):
     from playwright.sync_api import sync_playwright
     try:

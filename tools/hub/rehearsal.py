@@ -165,7 +165,7 @@ class Hub:
 
 # -------------------------------------------------------------------------------------------------- make hub
 def main(argv: list[str] | None = None) -> int:
-    args = _Parser(prog="make hub", description=__doc__.splitlines()[0])
+    args = _Parser(prog="make hub", description=__doc__.splitlines()[0], allow_abbrev=False)
     args.add_argument("--nodes", type=int, default=2, help="virtual nodes (node1 is also the login node)")
     args.add_argument("--gpus", type=int, default=2, help="GPUs per node, as Slurm hands them out")
     args.add_argument("--port", type=int, default=8000, help="the hub's address here: http://127.0.0.1:PORT")
@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         venv = Path(site["course"]["venv"] or HERE.parents[1] / ".venv")
         names = [n for n in ns.attendees.split(",") if n]
         with cluster.cluster(ns.nodes, with_slurm=True, lock_timeout=5, gpus=ns.gpus), attendees(names) as made, \
-                reachable_by_attendees(HERE.parents[1], venv), Hub(site_file, state_dir, dict(os.environ), ns.port) as hub:
+                reachable_by_attendees(HERE.parents[1], venv), \
+                Hub(site_file, state_dir, dict(os.environ), ns.port) as hub:
             print(f"hub: {hub.url} (log: {hub.log_path}); labs run as Slurm jobs on {', '.join(nodes.nodes())}")
             for name, password in made.items():
                 print(f"hub: attendee {name}, password {password}")
