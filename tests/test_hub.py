@@ -45,7 +45,7 @@ ATTENDEES = ("hubtest1", "hubtest2")
 RESERVATION = "workshop"
 COMPUTE = "node2"      # the reservation's node: both labs share it
 IDLE_S = 30            # the site's idle time in this test (site.toml: an hour)
-BUDGET_S = 360         # the whole test, nodes up to nothing left
+BUDGET_S = 480         # the whole test, nodes up to nothing left: 212-250 s on 2 cores with a load average of 17
 FIRST = "00_setup.ipynb"
 
 
@@ -113,6 +113,7 @@ def test_make_hub_says_what_is_wrong_in_one_line():
 
 
 @pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "ready")
+@pytest.mark.timeout(BUDGET_S + 120)  # beyond pyproject's 300 s; the budget's own assert says by how much it ran over
 def test_two_attendees_log_in_run_00_on_slurm_jobs_and_leave_nothing(tmp_path):
     from playwright.sync_api import sync_playwright
     try:
