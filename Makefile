@@ -49,10 +49,11 @@ FLOOR_TESTS = tests/test_distributed.py tests/test_step_agreement.py tests/test_
 	tests/test_gpu_check.py::test_the_cpu_rehearsal_of_stage_1
 FLOOR_LANE = .venv-floor/bin/python -m pytest $(FLOOR_TESTS)
 
-.PHONY: help install lab test test-unit test-notebooks unit nbval simgpu-lane floor-lane notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
+.PHONY: help install lab hub test test-unit test-notebooks unit nbval simgpu-lane floor-lane notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
 
 help:
 	@echo "make lab        set up if needed, then JupyterLab on notebooks/ (token auth, prints the URL)"
+	@echo "make hub        as root: the workshop's hub rehearsed on virtual nodes with Slurm (HUB_ATTENDEES=alice,bob)"
 	@echo "make test       set up if needed, then unit tests, pytest --nbval notebooks/, the simulated-GPU lane"
 	@echo "make install    system MPI, .venv (pinned), Horovod (built, cached), the 'tutorial' kernel"
 	@echo "make notebooks  re-execute every notebook in place to refresh stored outputs (CPU preset)"
@@ -75,6 +76,13 @@ doctor: install
 
 lab: install
 	@bash scripts/lab.sh "$(LAB_IP)" "$(PORT)"
+
+# The workshop's hub (tools/hub) rehearsed on this machine, as root: virtual nodes with a real Slurm, the hub on node1,
+# each attendee's lab a Slurm job; http://127.0.0.1:$(HUB_PORT). HUB_ATTENDEES=alice,bob makes (and removes) accounts.
+HUB_PORT ?= 8000
+HUB_ATTENDEES ?=
+hub: install
+	@PYTHONPATH=tools $(BIN)/python -m hub.rehearsal --port "$(HUB_PORT)" --attendees "$(HUB_ATTENDEES)"
 
 unit: install
 	$(BIN)/python -m pytest tests

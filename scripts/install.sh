@@ -5,8 +5,10 @@
 #   2. .venv with the pinned requirements.txt (re-run only when requirements.txt changes), DeepSpeed on its own
 #   3. the tutorial package, editable
 #   4. Horovod, built from source by scripts/install_horovod.sh (cached wheel)
-#   5. a Jupyter kernel "tutorial" registered inside the venv, used by JupyterLab and nbval
-#   6. .venv-floor: the oldest torch the workbook supports over the venv's other packages (scripts/torch_floor.sh)
+#   5. a Jupyter kernel "tutorial" registered inside the venv, used by JupyterLab and nbval, and the course's lab
+#      defaults (scripts/lab_settings.py)
+#   6. the hub's proxy, configurable-http-proxy from npm, into tools/hub/node_modules (npm ci; skipped without npm)
+#   7. .venv-floor: the oldest torch the workbook supports over the venv's other packages (scripts/torch_floor.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -84,6 +86,22 @@ if [[ ! -f $kernel ]] || ! grep -q "$(cd "$VENV" && pwd)/bin/python" "$kernel"; 
   "$VENV/bin/python" -m ipykernel install --sys-prefix --name tutorial --display-name "Python (distributed tutorial)" >/dev/null
   say "registered Jupyter kernel 'tutorial'"
 fi
-# 6. the oldest supported torch, for make test's floor lane: an overlay of the venv (about 0.5 GB, once)
+"$VENV/bin/python" scripts/lab_settings.py "$VENV"
+# 6. the hub's proxy (tools/hub): the exact versions of package-lock.json, again only when it changed (seconds)
+hub=tools/hub
+lock=$(sha256sum "$hub/package-lock.json" | cut -d' ' -f1)
+if [[ $(cat "$hub/node_modules/.lock.sha256" 2>/dev/null) != "$lock" ]]; then
+  if command -v npm >/dev/null; then
+    say "installing the hub's proxy (npm ci in $hub)"
+    if (cd "$hub" && npm ci --no-audit --no-fund --loglevel=error); then
+      echo "$lock" > "$hub/node_modules/.lock.sha256"
+    else
+      say "note: npm ci in $hub failed (above): the workshop's hub (make hub) and its test need the proxy"
+    fi
+  else
+    say "note: npm missing: the workshop's hub (make hub) needs it for its proxy (sudo apt-get install npm)"
+  fi
+fi
+# 7. the oldest supported torch, for make test's floor lane: an overlay of the venv (about 0.5 GB, once)
 VENV=$VENV bash scripts/torch_floor.sh
 say "ready ($VENV)"

@@ -18,23 +18,7 @@ cull=${LAB_CULL_S:-3600}
 if "$VENV/bin/python" -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1', $port)) != 0)"; then
   echo "lab: port $port is busy (another Jupyter?); JupyterLab will take the next free port and print its URL"
 fi
-# JupyterLab reads overrides.json in <prefix>/share/jupyter/lab/settings as the defaults of this venv's lab (a
-# person's own settings still win). Our keys are merged into whatever else is there.
-"$VENV/bin/python" - "$VENV/share/jupyter/lab/settings/overrides.json" <<'EOF'
-import json, pathlib, sys
-path = pathlib.Path(sys.argv[1])
-settings = json.loads(path.read_text()) if path.is_file() else {}
-ours = {
-    # "false" is the setting's "Never": no news pop-up, no request to jupyter.org (often offline in a workshop room)
-    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
-    # the notebook's kernel (`tutorial`, in every notebook's metadata) starts without a "Select Kernel" dialog
-    "@jupyterlab/notebook-extension:tracker": {"autoStartDefaultKernel": True},
-}
-for plugin, values in ours.items():
-    settings.setdefault(plugin, {}).update(values)
-path.parent.mkdir(parents=True, exist_ok=True)
-path.write_text(json.dumps(settings, indent=2) + "\n")
-EOF
+"$VENV/bin/python" scripts/lab_settings.py "$VENV"  # the course's lab defaults (also the hub's)
 first=$(cd "$root" && ls [0-9]*.ipynb 2>/dev/null | sort | head -n 1)
 extra=()
 # Jupyter refuses root unless told; containers and cloud VMs often run as root, so allow it only there.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -58,8 +59,9 @@ def install(packages: dict[str, str] | None = None) -> None:
         raise SetupError(f"could not install {' '.join(absent)}: {last_line(proc)}")
 
 
-def slurm_conf(all_nodes: list[str], cpus: int) -> str:
-    """A small slurm.conf: root runs the daemons, no cgroups, one partition `debug` with every node."""
+def slurm_conf(all_nodes: list[str], cpus: int, gpus: int = 0) -> str:
+    """A small slurm.conf: root runs the daemons, no cgroups, one partition `debug` with every node, each with
+    `gpus` GPUs that Slurm hands out as it hands out real ones (gres.conf)."""
     state = _slurm_dir()
     lines = [
         "# slurm.conf of the tutorial's virtual cluster (scripts/virtual_cluster.sh slurm up)",
@@ -92,8 +94,10 @@ def slurm_conf(all_nodes: list[str], cpus: int) -> str:
         "KillWait=5",
         "MinJobAge=30",
         "InactiveLimit=0",
+        *(["GresTypes=gpu"] if gpus else []),
     ]
-    lines += [f"NodeName={node} NodeAddr={address(node)} CPUs={cpus} State=UNKNOWN" for node in all_nodes]
+    gres = f" Gres=gpu:{gpus}" if gpus else ""
+    lines += [f"NodeName={node} NodeAddr={address(node)} CPUs={cpus}{gres} State=UNKNOWN" for node in all_nodes]
     lines.append(f"PartitionName=debug Nodes={','.join(all_nodes)} Default=YES MaxTime=INFINITE State=UP")
     return "\n".join(lines) + "\n"
 
@@ -113,8 +117,15 @@ def cgroup_conf() -> str:
     return "\n".join(lines) + "\n"
 
 
-def up(quiet: bool = False, timeout: float = 60.0) -> None:
-    """munged and slurmctld on node1, slurmd on every node; returns when every node is idle."""
+def gres_conf(node: str, gpus: int) -> str:
+    """The node's GPUs for Slurm: device files standing in for /dev/nvidia0.. (Slurm counts them and sets each job's
+    CUDA_VISIBLE_DEVICES from their numbers, as on a GPU node; nothing opens them)."""
+    return f"AutoDetect=off\nName=gpu File={_slurm_dir() / node / 'nvidia'}[0-{gpus - 1}]\n"
+
+
+def up(quiet: bool = False, timeout: float = 60.0, gpus: int = 0) -> None:
+    """munged and slurmctld on node1, slurmd on every node, each with `gpus` GPUs (gres.conf); returns when every
+    node is idle."""
     require_root()
     all_nodes = nodes()
     if not all_nodes:
@@ -131,7 +142,7 @@ def up(quiet: bool = False, timeout: float = 60.0) -> None:
     try:
         munge = _munge_dir()
         munge.mkdir(parents=True, exist_ok=True)
-        munge.chmod(0o700)
+        munge.chmod(0o755)  # users' sbatch reach munged's socket here (a site's /run/munge is 0755 too)
         key = munge / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
@@ -141,13 +152,17 @@ def up(quiet: bool = False, timeout: float = 60.0) -> None:
         _wait(lambda: (munge / "munge.socket").exists(), 10, "munged did not create its socket", munge / "munged.log")
         slurm = _slurm_dir()
         (slurm / "ctld").mkdir(parents=True, exist_ok=True)
-        conf = slurm_conf(all_nodes, os.cpu_count() or 1)
+        conf = slurm_conf(all_nodes, os.cpu_count() or 1, gpus)
         for node in all_nodes:
             (slurm / node).mkdir(parents=True, exist_ok=True)
+            for i in range(gpus):  # Slurm wants device files: /dev/null's numbers, which no job opens here
+                os.mknod(slurm / node / f"nvidia{i}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
             etc = NETNS_ETC / node / "slurm"  # mounted over /etc/slurm on the node: plain `sbatch` finds it
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "slurm.conf").write_text(conf)
             (etc / "cgroup.conf").write_text(cgroup_conf())
+            if gpus:
+                (etc / "gres.conf").write_text(gres_conf(node, gpus))
             # PMIx's per-step directory is named by job and step only: two slurmd sharing /tmp would collide.
             (etc / "mpi.conf").write_text(f"PMIxCliTmpDirBase={slurm / node}\n")
         run(head, ["slurmctld"])

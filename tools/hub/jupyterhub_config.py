@@ -1,0 +1,115 @@
+"""The workshop's JupyterHub: each attendee logs in with their own account (PAM) and gets their JupyterLab as a Slurm
+job on a compute node (batchspawner's SlurmSpawner, the template in batch_script.sh), with the course's shared,
+read-only environment and kernel and the GPUs Slurm gives the job. What differs per site is in site.toml.
+
+    jupyterhub -f tools/hub/jupyterhub_config.py           # as root, on the login node (or `make hub` to rehearse)
+
+What the day needs, and where it is:
+- the job's state while a lab waits in the queue (SlurmJobSpawner.progress: job id, state and Slurm's reason);
+- a lab nobody uses is stopped after site.toml's idle_seconds and its job ends (jupyterhub-idle-culler, a service of
+  this hub), and File > Log Out stops it at once;
+- `end-my-session` (tools/hub/bin) ends one's own lab from a notebook cell or a terminal;
+- two attendees on one node get disjoint GPUs (Slurm's gres) and ports (each server picks a free one).
+"""
+import asyncio
+import os
+import socket
+import sys
+import tomllib
+from pathlib import Path
+
+import batchspawner  # noqa: F401 - registers the API handler through which a lab tells the hub its port
+from batchspawner import SlurmSpawner
+from traitlets import Unicode
+
+HERE = Path(__file__).resolve().parent
+SITE_FILE = Path(os.environ.get("HUB_SITE") or HERE / "site.toml")
+site = tomllib.loads(SITE_FILE.read_text())
+slurm, course, hub = site["slurm"], site["course"], site["hub"]
+checkout = Path(course["checkout"] or HERE.parents[1])
+venv = Path(course["venv"] or checkout / ".venv")
+state_dir = Path(hub["state_dir"])
+state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+idle = int(hub["idle_seconds"])
+# How often a lab reports activity to the hub and the hub reads the proxy's: often enough that a lab in use is never
+# taken for idle (the defaults, 5 min, would be longer than a short idle time), rarely enough for 50 labs.
+report_every = max(2, min(300, idle // 6))
+
+
+class SlurmJobSpawner(SlurmSpawner):
+    """batchspawner's SlurmSpawner, with the course's paths in the batch script and a progress line that names the
+    job, its state and Slurm's reason ("PENDING (Reservation)"), where batchspawner says "Pending in queue...". """
+
+    req_course = Unicode(str(checkout))
+    req_venv = Unicode(str(venv))
+    req_data_dir = Unicode(course["data_dir"] or str(checkout / "data"))
+    req_workbook = Unicode(course["workbook"])
+
+    async def progress(self):
+        while True:
+            words = (self.job_status or "").split()  # batch_query_cmd's "STATE REASON HOST"
+            if self.job_id and len(words) == 3 and self.state_isrunning():
+                yield {"message": f"Slurm job {self.job_id} is running on {words[2]}: starting JupyterLab"}
+                return
+            if self.job_id and len(words) == 3:
+                yield {"message": f"Slurm job {self.job_id} is {words[0]} ({words[1]}): waiting for a node"}
+            else:
+                yield {"message": "submitting the Slurm job"}
+            await asyncio.sleep(1)
+
+
+c = get_config()  # noqa: F821 - JupyterHub provides it
+
+# -- the hub and its proxy
+c.JupyterHub.bind_url = hub["bind_url"]
+c.JupyterHub.hub_ip = "0.0.0.0"  # the labs on the compute nodes call back
+c.JupyterHub.hub_connect_ip = hub["hub_connect_host"] or socket.gethostname()
+c.JupyterHub.db_url = f"sqlite:///{state_dir / 'jupyterhub.sqlite'}"
+c.JupyterHub.cookie_secret_file = str(state_dir / "jupyterhub_cookie_secret")
+c.ConfigurableHTTPProxy.command = [str(HERE / "node_modules" / ".bin" / "configurable-http-proxy")]
+c.ConfigurableHTTPProxy.pid_file = str(state_dir / "proxy.pid")
+c.JupyterHub.last_activity_interval = report_every
+c.JupyterHub.shutdown_on_logout = True  # File > Log Out ends the attendee's job too
+c.JupyterHub.cleanup_servers = True     # stopping the hub ends every lab's job (nothing outlives a workshop's hub)
+
+# -- who may log in: the site's own accounts, checked by PAM
+c.JupyterHub.authenticator_class = "pam"
+if hub["allowed_users"]:
+    c.Authenticator.allowed_users = set(hub["allowed_users"])
+else:
+    c.Authenticator.allow_all = True
+c.Authenticator.admin_users = set(hub["admin_users"])
+
+# -- each lab: a Slurm job submitted as the attendee
+c.JupyterHub.spawner_class = SlurmJobSpawner
+c.SlurmJobSpawner.exec_prefix = slurm["submit_as"]
+c.SlurmJobSpawner.batch_script = (HERE / "batch_script.sh").read_text()
+c.SlurmJobSpawner.batch_query_cmd = "squeue -h -j {job_id} -o '%T %r %B'"
+c.SlurmJobSpawner.startup_poll_interval = 2.0  # squeue per waiting attendee: every 2 s, not batchspawner's 0.5 s
+c.SlurmJobSpawner.req_srun = ""  # the lab is the batch step itself; its engines are its children
+c.SlurmJobSpawner.req_partition = slurm["partition"]
+c.SlurmJobSpawner.req_account = slurm["account"]
+c.SlurmJobSpawner.req_reservation = slurm["reservation"]
+c.SlurmJobSpawner.req_qos = slurm["qos"]
+c.SlurmJobSpawner.req_runtime = slurm["time_limit"]
+c.SlurmJobSpawner.req_nprocs = str(slurm["cpus"])
+c.SlurmJobSpawner.req_gres = f"gpu:{slurm['gpus']}" if slurm["gpus"] else ""
+c.SlurmJobSpawner.req_memory = slurm["memory"]
+c.SlurmJobSpawner.req_options = " ".join(slurm["extra"])
+c.SlurmJobSpawner.start_timeout = int(hub["start_timeout"])
+c.SlurmJobSpawner.http_timeout = 120  # from the job's start to JupyterLab answering (imports on a shared file system)
+c.Spawner.poll_interval = report_every  # notices a job that ended (scancel, wall time) this soon
+c.Spawner.cmd = [str(venv / "bin" / "jupyterhub-singleuser")]
+c.SlurmJobSpawner.batchspawner_singleuser_cmd = str(venv / "bin" / "batchspawner-singleuser")
+c.Spawner.notebook_dir = f"~/{course['workbook']}"
+c.Spawner.default_url = "/lab/tree/00_setup.ipynb"
+c.Spawner.args = ["--MappingKernelManager.default_kernel_name=tutorial"]
+c.Spawner.environment = {"JUPYTERHUB_ACTIVITY_INTERVAL": str(report_every)}
+# The lab's token may also stop its own server: end-my-session asks the hub, which cancels the job.
+c.Spawner.server_token_scopes = ["users:activity!user", "access:servers!server", "servers!server"]
+
+# -- idle labs end: the culler stops a lab nobody used for idle_seconds (the hub then cancels its job)
+c.JupyterHub.services = [{"name": "idle-culler", "command": [
+    sys.executable, "-m", "jupyterhub_idle_culler", f"--timeout={idle}", f"--cull-every={max(2, idle // 4)}"]}]
+c.JupyterHub.load_roles = [{"name": "idle-culler", "services": ["idle-culler"],
+                            "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"]}]
