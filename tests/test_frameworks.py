@@ -120,8 +120,10 @@ def test_zero_arithmetic():
     assert sharded.zero_bytes_per_parameter(1, 4) == pytest.approx(2 + 2 + 3)
 
 
-def test_patience_and_top5_in_every_trainer():
-    """Seed 000's early stopping and seed 001's top-5 accuracy are the same lines in every trainer (one here runs)."""
+def test_patience_and_top5_in_a_real_run():
+    """Seed 000's early stopping and seed 001's top-5 accuracy in a run that learns (train_single). Every trainer's
+    --patience stops its run: test_matrix.py's test_patience_stops_every_trainer, with a control that ignores it;
+    every distributed trainer's top-5 accuracy is asserted in each case of test_matrix."""
     from tutorial import train_single
     from tutorial.core.metrics import patience_exhausted
     cfg = SMOKE.replace(patience=2)
@@ -132,8 +134,6 @@ def test_patience_and_top5_in_every_trainer():
     losses = [e["test_loss"] for e in m["epochs"]]
     assert len(losses) < 12 and losses[-1] > min(losses)
     assert 1.0 >= m["test_top5_accuracy"] >= m["test_accuracy"] >= 0.95
-    # That every other trainer reads --patience is test_config's option check; their top-5 accuracies are asserted
-    # in every case of test_matrix.
 
 
 def test_lightning_times_its_steps_and_evaluates_a_cut_epoch(tmp_path):

@@ -21,7 +21,8 @@ option (parameters after the epoch's 23 optimizer steps, and the test loss, Ligh
 
 Numbers alone cannot tell an option that was ignored (channels_last and compile give the same weights as plain fp32),
 so every run is observed from inside (tutorial.bench.observe): bf16 runs must compute in bfloat16 and fp32 runs in
-float32, channels_last runs must feed their convolutions NHWC tensors, compile runs must run compiled graphs.
+float32, channels_last runs must feed their convolutions NHWC tensors (for the trainers that convert the inputs only,
+on 3-channel images: a 1-channel digit is NCHW and NHWC at once), compile runs must run compiled graphs.
 test_the_matrix_can_fail shows each of these checks failing on a run without the option, and the weighting and the
 schedule failing when done the way they used to be.
 
@@ -31,6 +32,9 @@ summation order), asserted at FP32_TOL; bf16 per trainer in BF16_TOL below.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,8 +77,10 @@ CASES = [pytest.param(t, o, id=f"{t}-{o}", marks=[needs_mpi, needs_horovod] if t
 # FSDP, DeepSpeed and Horovod convert only the inputs under --channels-last (FSDP2 and ZeRO take contiguous
 # parameters, Horovod 0.28's all-reduce rejects NHWC gradients): on 3-channel images the first convolution then runs
 # NHWC and hands NHWC on, but a 1-channel digit is NCHW and NHWC at once, so on the digits nothing changes for them
-# (measured: every convolution NCHW) and their case compares the numbers only. DDP and Lightning convert the model.
+# (measured: every convolution NCHW). Their case compares the numbers on the digits and observes the layout in 2
+# steps on random 3-channel 8x8 images (THREE_CHANNELS). DDP and Lightning convert the model: NHWC on the digits too.
 INPUTS_ONLY = ("fsdp", "deepspeed", "horovod")
+THREE_CHANNELS = BASE.replace(dataset="cifar10", synthetic=True, image_size=8, max_steps=2, batch_size=8, quiet=True)
 
 
 def expected_observation(cfg, stage: str = "ddp") -> dict:
@@ -130,6 +136,12 @@ def run_distributed(request, stage: str, cfg) -> dict:
     return engines_.run(run_observed, main, cfg, backend)
 
 
+def three_channel_layouts(request, stage: str, channels_last: bool) -> list:
+    """Whether the convolutions of train_<stage> saw NHWC inputs in 2 steps on 3-channel images (observe.py)."""
+    return run_distributed(request, stage, THREE_CHANNELS.replace(channels_last=channels_last))["observed"][
+        "channels_last"]
+
+
 def case_config(option: str, out) -> TrainConfig:
     changes, batch, accum = OPTIONS[option]
     return BASE.replace(batch_size=batch, grad_accum=accum, out=str(out), **changes)
@@ -144,6 +156,8 @@ def test_trainer_option_matches_one_process_at_the_global_batch(stage, option, r
     assert m["replicas_identical"], m["replica_checksums"]
     assert 1.0 >= m["test_top5_accuracy"] >= m["test_accuracy"] > 0.5  # seed 001's top-5, in every trainer
     assert observation(m) == expected_observation(cfg, stage), m["observed"]
+    if option == "channels_last" and stage in INPUTS_ONLY:  # the digits cannot show it (INPUTS_ONLY above)
+        assert three_channel_layouts(request, stage, True) == [True]
     difference = max_difference(tmp_path, single)
     loss_gap = abs(m["test_loss"] - single_metrics["test_loss"])
     if option == "bf16" and stage != "ddp":
@@ -177,9 +191,11 @@ def the_old_ways(main, cfg, what: str):
 the_old_ways.__module__ = "__main__"  # sent to the engines by value, as a notebook cell's function is
 
 
-def test_the_matrix_can_fail(reference, cluster, tmp_path):
-    """Negative controls: a run that ignored --clip-grad, --precision bf16, --channels-last or --compile, weighted an
-    uneven accumulation group by 1 / grad_accum, or read the lr per micro-batch would fail its case."""
+def test_the_matrix_can_fail(reference, cluster, request, tmp_path):
+    """Negative controls: a run that ignored --clip-grad, --precision bf16, --channels-last (DDP's model, or FSDP's
+    inputs on 3 channels) or --compile, weighted an uneven accumulation group by 1 / grad_accum, or read the lr per
+    micro-batch would fail its case."""
+    assert three_channel_layouts(request, "fsdp", False) == [False]
     single, _ = reference("clip_grad")
     fp32 = cluster.run(run_observed, train_ddp.main, BASE.replace(batch_size=32, out=str(tmp_path / "fp32")))
     print(f"no clipping: {max_difference(tmp_path / 'fp32', single):.3g}, observed {fp32['observed']}")
@@ -199,7 +215,8 @@ def test_the_matrix_can_fail(reference, cluster, tmp_path):
 
 
 # Every option is read or refused (issue 31): test_every_option_is_read_or_refused runs each trainer once with a
-# config that notes which fields it reads (tutorial.bench.observe.fields_read) and asks ignored_options.
+# config that notes which fields the trainer's own code reads, itself or through the core functions it calls
+# (tutorial.bench.observe.fields_read: RunLog's reads for its record do not count), and asks ignored_options.
 NOT_READ_BY_DESIGN = {
     "data_dir": "read by core.data for the datasets on disk (mnist, cifar10, imagefolder), not for digits",
     "generated": "read by core.data for the datasets on disk, in place of their files",
@@ -207,6 +224,9 @@ NOT_READ_BY_DESIGN = {
     "preset_name": "a label in metrics.json, set by TrainConfig.preset",
     "lr_scaling": "a rule for N ranks: at world size 1 both settings give the same lr (single, dp)",
 }
+EVERY_TRAINER = ["single", "dp", *(pytest.param(c.values[0], marks=c.marks, id=c.values[0])
+                                   for c in CASES if c.values[1] == "clip_grad")]
+OPTION_CHECK = BASE.replace(schedule="cosine", warmup_epochs=0.5, quiet=True)  # both lr branches
 
 
 def ignored_options(stage: str, read: set) -> set:
@@ -220,31 +240,69 @@ def ignored_options(stage: str, read: set) -> set:
     return (fields - read - refused - set(NOT_READ_BY_DESIGN)) | (read & refused)
 
 
-def test_the_option_check_can_fail():
-    """An option a trainer accepts but never reads (as train_lightning did with --time-steps), and one it refuses
-    but reads, are both reported."""
-    import dataclasses
-    everything = {f.name for f in dataclasses.fields(TrainConfig)}
-    read_by_ddp = everything - {"fp16_allreduce", "zero_stage", *NOT_READ_BY_DESIGN}
-    assert ignored_options("ddp", read_by_ddp) == set()
-    assert ignored_options("ddp", read_by_ddp - {"time_steps"}) == {"time_steps"}
-    assert ignored_options("ddp", read_by_ddp | {"zero_stage"}) == {"zero_stage"}
-
-
-@pytest.mark.parametrize("stage", ["single", "dp", *(pytest.param(c.values[0], marks=c.marks, id=c.values[0])
-                                                     for c in CASES if c.values[1] == "clip_grad")])
-def test_every_option_is_read_or_refused(stage, request, tmp_path):
-    """Each trainer runs one epoch with a config that notes which fields it (and the core) reads: every field is
-    read, refused by the trainer (config.ONLY_IN) or unread by design (NOT_READ_BY_DESIGN above, with the
-    reason). train_lightning accepted --time-steps and left it unused, train_dp --compile for nothing."""
-    from tutorial.bench.observe import fields_read
-    cfg = BASE.replace(schedule="cosine", warmup_epochs=0.5, out=str(tmp_path), quiet=True)  # both lr branches
-    main = importlib.import_module(f"tutorial.train_{stage}").main
+def where_it_runs(request, stage: str, fn, *args):
+    """fn(*args) where train_<stage> runs: in this process (single, dp), else on the two engines (MPI's for Horovod)."""
     if stage in ("single", "dp"):
-        read = fields_read(main, cfg)
-    else:
-        read = request.getfixturevalue("mpi_engines" if stage == "horovod" else "cluster").run(fields_read, main, cfg)
+        return fn(*args)
+    return request.getfixturevalue("mpi_engines" if stage == "horovod" else "cluster").run(fn, *args)
+
+
+def doctored(stage: str, changes: dict, folder: Path, monkeypatch):
+    """The main of a copy of train_<stage> with some of its code changed ({old: new}, each old text once in the
+    file), imported from `folder` as the module tutorial.train_<stage>_doctored (the package's relative imports hold)
+    for this test only."""
+    source = Path(train_single.__file__).with_name(f"train_{stage}.py").read_text()
+    for old, new in changes.items():
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    name = f"tutorial.train_{stage}_doctored"
+    (folder / f"train_{stage}_doctored.py").write_text(source)
+    spec = importlib.util.spec_from_file_location(name, folder / f"train_{stage}_doctored.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_the_option_check_can_fail(tmp_path, monkeypatch):
+    """The option check on a copy of train_single that builds the cnn whatever --model says (the core's RunLog still
+    reads the model for its record: the old check counted that read), iterates its loader without the run log's
+    --progress bar, and reads --zero-stage, which it refuses (a wrong refusal)."""
+    from tutorial.bench.observe import fields_read
+    main = doctored("single", {"build_model(cfg.model, info)": 'build_model("cnn", info)',
+                               "enumerate(loop.log.bar(loader, epoch))": "enumerate(loader)",
+                               "torch.manual_seed(cfg.seed)": "torch.manual_seed(cfg.seed + 0 * cfg.zero_stage)"},
+                    tmp_path, monkeypatch)
+    read = fields_read(main, OPTION_CHECK.replace(out=str(tmp_path / "out")))
+    assert ignored_options("single", set(read)) == {"model", "progress", "zero_stage"}
+
+
+@pytest.mark.parametrize("stage", EVERY_TRAINER)
+def test_every_option_is_read_or_refused(stage, request, tmp_path):
+    """Each trainer runs one epoch with a config that notes which fields its own code reads: every field is read,
+    refused by the trainer (config.ONLY_IN) or unread by design (NOT_READ_BY_DESIGN above, with the reason).
+    train_lightning accepted --time-steps and left it unused, train_dp --compile for nothing."""
+    from tutorial.bench.observe import fields_read
+    cfg = OPTION_CHECK.replace(out=str(tmp_path))
+    main = importlib.import_module(f"tutorial.train_{stage}").main
+    read = where_it_runs(request, stage, fields_read, main, cfg)
     assert ignored_options(stage, set(read)) == set(), f"train_{stage} accepts and never reads these"
+
+
+@pytest.mark.parametrize("stage", EVERY_TRAINER)
+def test_patience_stops_every_trainer(stage, request, tmp_path, monkeypatch):
+    """--patience 1 (seed 000's early stopping) stops every trainer after its first epoch without a lower test loss.
+    An lr of 1e-30 leaves every weight as it was (far below a float32 step of any of them), so epoch 1's test loss
+    equals epoch 0's and the run stops after 2 of its 3 epochs (of 6 steps each, or 3 on 2 ranks). Negative
+    control: a copy of train_single that skips its patience check runs all 3."""
+    cfg = BASE.replace(epochs=3, patience=1, lr=1e-30, batch_size=256, quiet=True)
+    m = where_it_runs(request, stage, importlib.import_module(f"tutorial.train_{stage}").main, cfg)
+    losses = [e["test_loss"] for e in m["epochs"]]
+    assert len(losses) == 2 and losses[0] == losses[1], losses
+    if stage == "single":
+        ignoring = doctored("single", {'if patience_exhausted(cfg, log.metrics["epochs"]):': "if False:"}, tmp_path,
+                            monkeypatch)
+        assert len(ignoring(cfg)["epochs"]) == 3
 
 
 def test_micro_batch_weight_counts_samples_in_the_group():

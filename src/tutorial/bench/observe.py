@@ -63,18 +63,29 @@ def run_observed(main, cfg, compile_backend: str | None = None) -> dict:
 
 
 def fields_read(main, cfg) -> list[str]:
-    """The TrainConfig fields that main(cfg) and the core read, for the check that every option is read or refused
-    (tests/test_matrix.py). Reads inside config.py itself (validate, to_dict, check_stage) and by dataclasses do not
-    count: they read every field."""
+    """The TrainConfig fields that main's own module reads, itself or through the core functions its code calls, for
+    the check that every option is read or refused (tests/test_matrix.py). Reads that say nothing of what the trainer
+    does with an option do not count: those inside config.py and dataclasses (validate, to_dict, check_stage read
+    every field), those of a constructor the trainer calls (RunLog(cfg, ...) reads the batch, accumulation, model and
+    precision for its record whatever the trainer does with them), and those with no frame of the trainer's file."""
     import dataclasses
     import sys
 
     read = set()
     own = type(cfg)
+    trainer = sys.modules[main.__module__].__file__
+
+    def by_the_trainer(frame) -> bool:
+        if frame.f_code.co_filename.endswith(("/core/config.py", "/dataclasses.py")):
+            return False
+        called = None  # the function the trainer's own frame called to get here
+        while frame is not None and frame.f_code.co_filename != trainer:
+            called, frame = frame, frame.f_back
+        return frame is not None and (called is None or called.f_code.co_name != "__init__")
 
     class Noted(own):
         def __getattribute__(self, name):
-            if not sys._getframe(1).f_code.co_filename.endswith(("/core/config.py", "/dataclasses.py")):
+            if by_the_trainer(sys._getframe(1)):
                 read.add({"resume_path": "resume"}.get(name, name))
             return object.__getattribute__(self, name)
 
