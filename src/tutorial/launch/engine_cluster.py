@@ -2,7 +2,8 @@
 
 start() (tutorial.launch.engines) checks its options (engine_options), then reuses or launches a Cluster here. Every
 process the cluster starts carries its tag (child_processes), and a reaper (tutorial.launch.reaper) stops them when the
-kernel goes. Runs are engine_runs.Runs's; the functions at the end run on the engines.
+kernel goes. run() and what follows a failed run come from engine_runs.Runs; the functions at the end run on the
+engines.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from ..core.process import threads_per_process
 from . import child_processes, reaper
 from .engine_options import ClusterError, Request, ipp_cluster
-from .engine_runs import EngineTimeout, RankError, Runs, _bounded_magics
+from .engine_runs import EngineTimeout, RankError, Runs, bounded_magics
 
 # A process group made by hand in a %%px cell waits for a missing rank for torch's default before it says anything:
 # 30 minutes under gloo, 10 under NCCL, and nothing there answers an Interrupt (the wait is in C++). On the engines the
@@ -160,11 +161,11 @@ class Cluster(Runs):
 
     def _activate_magics(self) -> None:
         """%%px on all engines in rank order, with each engine's output at the end and no progress bar (stable
-        outputs under nbval), bounded and freed like run() (_bounded_magics)."""
+        outputs under nbval), bounded and freed like run() (bounded_magics)."""
         from IPython import get_ipython
         shell = get_ipython()
         if shell is not None:
-            shell.magics_manager.register(_bounded_magics(self)(shell, self.view))
+            shell.magics_manager.register(bounded_magics(self)(shell, self.view))
             shell.run_line_magic("pxconfig", "--no-stream --progress-after -1")
 
     def table(self) -> str:

@@ -224,7 +224,7 @@ class Runs:
         return "The engines were stopped; start a new cluster."
 
 
-def _bounded_magics(cluster):
+def bounded_magics(cluster):
     """ipyparallel's %px and %%px magics on cluster.view, with the waits that run() has: a cell ends within the
     cluster's run_timeout (then it is interrupted as by the Interrupt button), and after an Interrupt the engines
     that did not stop on SIGINT are named and restarted, so the next cell (a %%px, a view[...] pull, a run) never

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 from . import engine_options
 from .engine_cluster import RENDEZVOUS_BOUND_S, Cluster, EngineInfo
-from .engine_options import ENGINE_KINDS, ClusterError, visible_gpus
+from .engine_options import ClusterError, visible_gpus
 from .engine_runs import FAILURE_GRACE_S, STOP_GRACE_S, EngineTimeout, Interrupted, RankError
 
+# What notebooks, lessons and tests use: start() and its Cluster, the errors, what a rank's result may be after an
+# Interrupt, visible_gpus() for notebook.allocation, and the waits the README quotes.
 __all__ = ["start", "Cluster", "EngineInfo", "ClusterError", "RankError", "EngineTimeout", "Interrupted",
-           "visible_gpus", "ENGINE_KINDS", "FAILURE_GRACE_S", "STOP_GRACE_S", "RENDEZVOUS_BOUND_S"]
+           "visible_gpus", "FAILURE_GRACE_S", "STOP_GRACE_S", "RENDEZVOUS_BOUND_S"]
 
 
 def start(n: int | None = None, engines: str = "local", *, device: str = "auto", gpus=None, timeout: float = 90.0,
@@ -42,17 +44,19 @@ def start(n: int | None = None, engines: str = "local", *, device: str = "auto",
           activate: bool = True, **where) -> Cluster:
     """Start a controller and n engines, make them ranks 0..n-1, and return the Cluster (00_setup).
 
-    What to start: n engines (default: one per visible GPU, else 2) of a kind, `engines`: local, mpi (mpiexec; MPI
-    rank = rank), slurm or pbs. device: auto (GPUs if visible), cuda (GPUs required) or cpu. gpus: which of this
-    node's GPUs, as CUDA_VISIBLE_DEVICES names them (default: every visible one); fewer GPUs than engines are shared
-    (gloo only).
-    How long to wait: timeout, seconds for the engines to start; run_timeout, the default limit of one run() or %%px
-    cell. on_failure: restart or stop the engines after a run that failed.
-    In the kernel: name: a kernel runs one cluster per name: start() again with the same options reuses the running
-    one, with other options it stops it first (one line says which); give another name to run a second cluster
-    beside it. show: print the engine table. activate: enable %%px on these engines.
-    Where the engines run, for engines on other nodes: ip, interface, ports, mpi_args and launcher, and any option
-    of ipyparallel.Cluster (profile, controller_location, ...); engine_options.Where says what each means.
+    What to start:
+      n: how many engines (default: one per visible GPU, else 2). engines: local, mpi (mpiexec; MPI rank = rank),
+      slurm or pbs. device: auto (GPUs if visible), cuda (GPUs required) or cpu. gpus: which of this node's GPUs, as
+      CUDA_VISIBLE_DEVICES names them (default: every visible one); fewer GPUs than engines are shared (gloo only).
+    How long to wait, and after a failure:
+      timeout: seconds for the engines to start. run_timeout: the limit of one run() (unless it gives its own) or
+      %%px cell. on_failure: restart or stop the engines after a run that failed.
+    In the kernel:
+      name: one cluster per name and kernel: start() again with the same options reuses the running one, with other
+      options it stops it first (one line says which); another name runs a second cluster beside it.
+      show: print the engine table. activate: enable %%px on these engines.
+    Where, for engines on other nodes only (keywords, engine_options.Where says what each means):
+      ip, interface, ports, mpi_args, launcher, and the options of ipyparallel.Cluster (profile, ...).
     """
     request = engine_options.check(n, engines, device=device, gpus=gpus, timeout=timeout, run_timeout=run_timeout,
                                    on_failure=on_failure, activate=activate, where=where)
