@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT
 
 from tutorial.core.config import ConfigError, TrainConfig, to_argv
-from tutorial.launch import engines
+from tutorial.launch import engine_options, engines
 from tutorial.lessons import notebook
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
@@ -33,9 +33,10 @@ def gpus(monkeypatch):
 
 def engine_env(alloc, n: int) -> dict:
     """What engines.start(n, device=alloc.device, gpus=alloc.gpus) would start: (n, use_cuda) and the engines' env."""
-    count = engines._engine_count(n, "local", alloc.device, gpus=alloc.gpus)
-    config = engines._config("local", n, [] if alloc.device == "cpu" else alloc.gpus, (), None, "t", 30)
-    return dict(count=count, env=dict(config.EngineLauncher.environment))
+    request = engine_options.check(n, "local", device=alloc.device, gpus=alloc.gpus, timeout=30, run_timeout=30,
+                                   on_failure="restart", activate=False, where={})
+    config = engine_options.ipp_config(request, "t")
+    return dict(count=(request.n, request.use_cuda), env=dict(config.EngineLauncher.environment))
 
 
 def test_no_gpu_runs_the_cpu_preset_over_gloo(gpus, capsys):
@@ -61,7 +62,7 @@ def test_one_gpu_for_two_ddp_ranks_shares_it_over_gloo(gpus, capsys):
     assert engine_env(alloc, 2)["count"] == (2, True)
     assert engine_env(alloc, 2)["env"]["CUDA_VISIBLE_DEVICES"] == "0"
     with pytest.raises(engines.ClusterError, match="n=2 engines on this node but only 1 GPU"):
-        engines._engine_count(2, "local", "auto")
+        engine_options.engine_count(2, "local", "auto")
 
 
 @pytest.mark.parametrize("trainer, sync_bn", [("horovod", False), ("fsdp", False), ("deepspeed", False),
@@ -111,7 +112,7 @@ def test_a_shared_node_uses_only_the_attendees_gpus(gpus, capsys):
     alloc = notebook.allocation(2, TrainConfig.preset("workshop"))
     assert (alloc.device, alloc.backend, alloc.gpus) == ("cuda", "gloo", ("GPU-5f1e",))
     with pytest.raises(engines.ClusterError, match="GPU '3' is not visible here; choose from: GPU-5f1e"):
-        engines._engine_count(2, "local", "auto", gpus=["3"])
+        engine_options.engine_count(2, "local", "auto", gpus=["3"])
 
 
 def test_bad_input_is_one_line(gpus):
@@ -122,9 +123,9 @@ def test_bad_input_is_one_line(gpus):
     with pytest.raises(ConfigError, match="trainer 'torch' is not one of"):
         notebook.allocation(2, TrainConfig.preset("smoke"), "torch")
     with pytest.raises(engines.ClusterError, match="contradict"):
-        engines._engine_count(2, "local", "cpu", gpus=["0"])
+        engine_options.engine_count(2, "local", "cpu", gpus=["0"])
     with pytest.raises(engines.ClusterError, match="may run on others"):
-        engines._engine_count(2, "slurm", "auto", gpus=["0"])
+        engine_options.engine_count(2, "slurm", "auto", gpus=["0"])
 
 
 def _code(nb) -> list[str]:

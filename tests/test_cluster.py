@@ -20,7 +20,7 @@ import tutorial.train_ddp as train_ddp
 from conftest import needs_horovod, needs_mpi
 
 from tutorial.core.config import TrainConfig
-from tutorial.launch import child_processes
+from tutorial.launch import child_processes, engine_runs
 from tutorial.launch.engines import STOP_GRACE_S, ClusterError, EngineTimeout, RankError
 
 
@@ -244,7 +244,7 @@ def test_interrupt_of_code_that_never_looks_at_the_stop_flag_ends_it_with_a_keyb
     get a second SIGINT, a KeyboardInterrupt there; the same engines serve the next run."""
     import _thread
     import signal
-    monkeypatch.setattr(cluster_mod, "STOP_GRACE_S", 2.0)
+    monkeypatch.setattr(engine_runs, "STOP_GRACE_S", 2.0)  # where run() reads it
     pids = [e.pid for e in local.engines]
     # As in a kernel, SIGINT raises KeyboardInterrupt here: a torchrun started in this test process earlier (by
     # another test) leaves torch.distributed.elastic's handler, which would raise its SignalException instead.
@@ -311,6 +311,7 @@ def test_two_clusters_one_after_the_other_and_an_exception_in_the_with_block(hel
     with cluster_mod.start(n=1, show=False) as c:
         first = c.run(helpers.whoami)["pid"]
         assert c.leftovers()
+        assert str(c._reaper.pid) in {line.split()[0] for line in leftovers(c.tag)}  # check_leftovers.sh's list has it
     assert c.leftovers() == []
     assert_nothing_left(c.tag)
     with pytest.raises(KeyError):  # leaving the block by an exception stops everything too

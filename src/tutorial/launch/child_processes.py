@@ -35,7 +35,7 @@ TAG = "/".join(filter(None, (os.environ.get(TAG_VARIABLE), f"{os.getpid()}-{os.u
 # the launchers people type, their workers, and a cluster's reaper. The one list for tests and check_leftovers.sh.
 PROCESS_NAMES = ("ipengine", "ipcontroller", "ipcluster", "ipyparallel.engine", "ipyparallel.controller",
                  "ipyparallel.cluster", "mpiexec", "mpirun", "orted", "prted", "hydra_pmi_proxy", "horovodrun",
-                 "torchrun", "torch.distributed.run", "tutorial.launch.worker", "tutorial.launch.engines",
+                 "torchrun", "torch.distributed.run", "tutorial.launch.worker", "tutorial.launch.reaper",
                  "tutorial.train_")
 FAILED_NODE_GRACE_S = 15.0
 _launches = itertools.count(1)
