@@ -552,8 +552,8 @@ class SlowSequences(torch.utils.data.Dataset):
     """The corpus's sequences, each taking `ms` milliseconds to "decode" (as reading and decoding an image does):
     a loader without workers makes the training loop wait for it."""
 
-    def __init__(self, n: int = 256, ms: float = 1.0):
-        X, y = next(batches(CharCorpus(), n, GPTConfig().context, 1, seed=0))
+    def __init__(self, n: int = 256, ms: float = 1.0, seed: int = 0):
+        X, y = next(batches(CharCorpus(), n, GPTConfig().context, 1, seed=seed))
         self.X, self.y, self.ms = X, y, ms
 
     def __len__(self):
@@ -583,7 +583,7 @@ def _hunt_trial(wrap, train, steps: int = 3, accumulate: int = 4) -> dict:
     model.register_comm_hook(None, counting)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        train(model, SlowSequences(), optimizer, steps, accumulate)
+        train(model, SlowSequences(seed=dist.get_rank()), optimizer, steps, accumulate)  # each rank its own data
     events = prof.events()
 
     def in_optimizer(e):  # AdamW reads its step counters with .item(): not the loop's
@@ -617,7 +617,7 @@ def check_bug_hunt(cluster, wrap, train, steps: int = 3, accumulate: int = 4) ->
     if r["error"]:
         return f"wrong: {r['error']}"
     wrong = []
-    if not r["replicas_equal"]:
+    if not r["replicas_equal"] or not r["all_reduces"]:
         wrong.append("the ranks' weights differ after training: the last micro-batch of every step must all-reduce "
                      "(no_sync() only around the others)")
     elif r["all_reduces"] > r["buckets"] * steps:
