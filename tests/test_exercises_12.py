@@ -15,7 +15,8 @@ from tutorial.lessons import performance as lesson
 from tutorial.lessons.ranks import on_every_rank
 
 NOTEBOOK = "12_performance_clinic"
-HEADINGS = {"states": "### Exercise 1", "predict": "### Exercise 2", "hunt": "### Exercise 3", "layout": "### Exercise 4"}
+HEADINGS = {"states": "### Exercise 1", "predict": "### Exercise 2", "hunt": "### Exercise 3",
+            "layout": "### Exercise 4"}
 
 
 @pytest.mark.parametrize("name", list(HEADINGS))
