@@ -32,8 +32,11 @@ SIMGPU = TUTORIAL_PRESET=workshop-cpu PYTHONPATH=$(CURDIR)/tests/simgpu $(BIN)/p
 # 04 and 09 run on the CPU with workshop-cpu, as the lane did before. 04 counts the graphs torch.compile makes, and
 # the simulation compiles nothing (there is no GPU to generate kernels for). FSDP2 and DCP make tensors below torch's
 # Python layer, which the simulation cannot follow (a resumed FSDP run's BatchNorm buffers come back as CPU tensors
-# there). Their GPU branches are gpu-check's (its compile, bf16/fp16, FSDP and DeepSpeed checks).
-CPU_LANE_NOTEBOOKS = notebooks/04_mixed_precision.ipynb notebooks/09_sharded_training.ipynb
+# there). Their GPU branches are gpu-check's (its compile, bf16/fp16, FSDP and DeepSpeed checks). 12 too: its ranks
+# train FSDP2, so a one-GPU attendee's run on the CPU anyway, and its layout dry run builds FSDP2 on the meta device in
+# the kernel, which the simulation cannot follow (the cell hung past the lane's 600 s there, 2026-11-27).
+CPU_LANE_NOTEBOOKS = notebooks/04_mixed_precision.ipynb notebooks/09_sharded_training.ipynb \
+	notebooks/12_performance_clinic.ipynb
 # 06 is in no lane, as before: its launches are typed with `--preset smoke` (strict nbval runs them), and what they
 # do on one GPU is the trainers' own decisions, which 03b, 05 and tests/test_simulated_gpus.py run on simulated GPUs.
 NO_LANE_NOTEBOOKS = notebooks/06_multi_node.ipynb

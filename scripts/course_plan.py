@@ -39,7 +39,7 @@ def recorded(stem):
 
 STEMS = ["00_setup", "01_single_device", "02_data_parallel", "03a_ddp_by_hand", "03b_ddp_trainer", "04_mixed_precision",
          "05_horovod", "06_multi_node", "07_scaling_study", "08_lightning", "09_sharded_training",
-         "10_when_things_go_wrong", "11_model_parallelism", "appendix_job_scripts"]
+         "10_when_things_go_wrong", "11_model_parallelism", "12_performance_clinic", "appendix_job_scripts"]
 T = {s: notes(s)[0][0][1] for s in STEMS}
 secs10 = notes("10_when_things_go_wrong")[0]
 errors = next(h for h, _ in secs10 if "Two DDP errors" in h).split(".")[0]  # its section number
@@ -66,6 +66,8 @@ ROWS = [
   "10-15 min"),
  ("**track: beyond data parallel**", "11 tensor, pipeline, 2D", T["11_model_parallelism"], "03a, 03b, 09",
   recorded("11_model_parallelism"), "2-4 min"),
+ ("**track: performance clinic**", "12 memory, collectives, traces, bugs, layouts",
+  T["12_performance_clinic"], "07, 09, 11", recorded("12_performance_clinic"), "3-5 min"),
  ("**track: two DDP errors**", f"10 section {errors}, exercises 3-4", track10, "03a, 03b", "(in 10's run)", "(in 10's run)"),
  ("**track: history**", "02 DataParallel", T["02_data_parallel"], "01", recorded("02_data_parallel"), "3-5 min"),
  ("**track: clusters**", "06 rehearsal 5: virtual nodes, a real Slurm (root)", track06, "03a, 03b", "(in 06's run)",
@@ -140,7 +142,8 @@ f"**Setup ({SETUP} min, in the room, before 00).** Everybody logs in, gets an al
 "- Run 00 and 03b once on a compute node: the first import of torch and the first read of the data are the slow ones.", "",
 "**Order and prerequisites.** The core day in the table's order. Every track needs 03a and 03b except 02 (01 only;",
 "04 needs them for its compile section); 11 also needs 09 (`fully_shard`), so *memory* comes before *beyond data",
-"parallel*; the appendix follows 06. 06 uses Horovod's trainer in rehearsal 3 as one more launcher: Horovod",
+"parallel*; 12 needs 07, 09 and 11 and comes last of them; the appendix follows 06. 06 uses Horovod's trainer in",
+"rehearsal 3 as one more launcher: Horovod",
 "installed, not notebook 05.", "",
 "**Skip when late** (the speaker notes' first slide lists the same; the cells still run, say one sentence each):",
 ]

@@ -302,7 +302,7 @@ def test_the_import_check_catches_a_back_edge_and_a_circle():
 
 def test_the_simulated_gpu_lane_runs_every_notebook_and_its_promises_point_at_their_cells():
     """make test's simulated-GPU lane runs every numbered notebook as a one-GPU attendee's but the three the Makefile
-    names with its reasons (04 and 09 on the CPU, 06 in strict nbval only); a promise the lane checks
+    names with its reasons (04, 09 and 12 on the CPU, 06 in strict nbval only); a promise the lane checks
     from a cell on (tests/simgpu/lane.py PROMISES) names the cell that makes it, so a moved cell cannot leave it
     checking from the wrong place."""
     import json
@@ -322,8 +322,9 @@ def test_the_simulated_gpu_lane_runs_every_notebook_and_its_promises_point_at_th
     assert all(any(p.match(u) for p in allowed) for u in uses), uses
     assert "alloc.cfg" not in code and "preset_name" not in code
     assert set(re.findall(r'preset\("([\w-]+)"', code)) <= {"smoke"} and "--preset {" not in code
-    left = re.search(r"^CPU_LANE_NOTEBOOKS = (.*)$", makefile, re.M).group(1).split()  # the two left, with reasons
-    assert left == ["notebooks/04_mixed_precision.ipynb", "notebooks/09_sharded_training.ipynb"], left
+    left = re.search(r"^CPU_LANE_NOTEBOOKS = ((?:.*\\\n)*.*)$", makefile, re.M).group(1).replace("\\\n", " ").split()
+    assert left == ["notebooks/04_mixed_precision.ipynb", "notebooks/09_sharded_training.ipynb",
+                    "notebooks/12_performance_clinic.ipynb"], left  # the three left, with reasons
     assert "$(SIMGPU_LANE)" in makefile.split("test-notebooks:")[1].split("\n\n")[0]
     sys.path.insert(0, str(ROOT / "tests" / "simgpu"))
     try:

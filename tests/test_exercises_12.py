@@ -1,0 +1,199 @@
+"""12_performance_clinic's exercises and measurements: each checker accepts the package's solution and another correct
+answer, and rejects the skeleton and other plausible mistakes, saying what is wrong; the planner agrees with the
+measurement only when it counts the optimizer state; the merged trace is JSON that Perfetto's Chrome-trace importer
+reads. The skeletons are the lesson module's SKELETONS, which the notebook's exercise cells hold."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from answers import defined
+from conftest import exercise_cell
+
+from tutorial.lessons import performance as lesson
+from tutorial.lessons.ranks import on_every_rank
+
+NOTEBOOK = "12_performance_clinic"
+HEADINGS = {"states": "### Exercise 1", "predict": "### Exercise 2", "hunt": "### Exercise 3",
+            "layout": "### Exercise 4"}
+
+
+@pytest.mark.parametrize("name", list(HEADINGS))
+def test_the_notebook_holds_the_skeletons(name):
+    assert exercise_cell(NOTEBOOK, HEADINGS[name]).strip() == lesson.SKELETONS[name].strip()
+
+
+# Exercise 1: the planner's states
+def test_exercise_1_states():
+    assert lesson.check_states(lesson.solution_states_per_rank).startswith("correct")
+    verdict = lesson.check_states(defined(lesson.SKELETONS["states"]))
+    assert verdict.startswith("wrong: optimizer for zero=0") and "two fp32 moments" in verdict, verdict
+    other = defined(
+        "def states_per_rank(n_params, zero, dp):\n"
+        "    shard = lambda stage: dp if zero >= stage else 1\n"
+        "    return {'parameters': 4 * n_params / shard(3), 'gradients': 4 * n_params / shard(2),\n"
+        "            'optimizer': 8 * n_params / shard(1)}\n")
+    assert lesson.check_states(other).startswith("correct")
+    grads_at_1 = defined(lesson.SKELETONS["states"].replace("optimizer = 0", "optimizer = 8 * n_params // dp")
+                         .replace("gradients = n_params * 4", "gradients = n_params * 4 // (dp if zero >= 1 else 1)"))
+    verdict = lesson.check_states(grads_at_1)
+    assert verdict.startswith("wrong: optimizer for zero=0") and "every ZeRO stage shards" in verdict, verdict
+    sharded_early = defined(
+        "def states_per_rank(n_params, zero, dp):\n"
+        "    d = dp if zero else 1\n"
+        "    return dict(parameters=4 * n_params // d, gradients=4 * n_params // d, optimizer=8 * n_params // d)\n")
+    verdict = lesson.check_states(sharded_early)
+    assert verdict.startswith("wrong: parameters for zero=1") and "only ZeRO-3/FSDP2" in verdict, verdict
+
+
+def test_the_planner_answers_the_budget_question_as_a_run_measures_it():
+    cfg = lesson.GPTConfig()
+    budget = 8_000_000
+    best = lesson.largest_micro_batch(cfg, lesson.Layout(), budget, lesson.solution_states_per_rank)
+    assert lesson.measured_total(best) <= budget < lesson.measured_total(best + 1)
+    # negative control: the skeleton's planner (no optimizer state) promises a micro-batch that does not fit
+    forgetful = lesson.largest_micro_batch(cfg, lesson.Layout(), budget, lesson.states_per_rank)
+    assert forgetful > best and lesson.measured_total(forgetful) > budget
+
+
+def test_the_measured_memory_matches_the_plan_and_a_plan_without_optimizer_state_does_not(cluster):
+    cluster.run(on_every_rank, lesson.memory_runs, ("ddp", "fsdp2", "pp"))
+    runs = [value for _, value in cluster.results]
+    assert all(status == "ok" for status, _ in cluster.results), cluster.results
+    table = lesson.memory_table(runs, states=lesson.solution_states_per_rank)
+    assert len(table) == 6 and all(r["within"] for r in table), table
+    assert not any(r["within"] for r in lesson.memory_table(runs, states=lesson.states_per_rank))
+
+
+# Exercise 2: collectives, predicted then counted
+COUNTED = {"ddp": {"all_reduce": [1, 433152], "broadcast": [2, 156]},
+           "fsdp2": {"all_gather": [5, 833024], "reduce_scatter": [3, 433152]},
+           "tp": {"all_gather": [1, 98304], "all_reduce": [13, 1703936]}}
+
+
+def test_exercise_2_prediction():
+    assert lesson.check_prediction(lesson.solution_predicted(), COUNTED).startswith("correct")
+    namespace: dict = {}
+    exec(lesson.SKELETONS["predict"], namespace)
+    verdict = lesson.check_prediction(namespace["predicted"], COUNTED)
+    assert verdict.startswith("wrong: ddp: predicted {'all_reduce': 37}") and "fsdp2" in verdict and "tp:" in verdict
+    once = {**lesson.solution_predicted(), "fsdp2": {"all_gather": 6, "reduce_scatter": 3}}  # the root re-gathered
+    verdict = lesson.check_prediction(once, COUNTED)
+    assert verdict.startswith("wrong: fsdp2:") and "keeps gathered" in verdict and "ddp" not in verdict
+
+
+def test_the_counts_are_what_commdebugmode_sees_on_the_engines(cluster):
+    cluster.run(on_every_rank, lesson.collective_runs)
+    status, counted = cluster.results[0]
+    assert status == "ok", counted
+    assert lesson.check_prediction(lesson.solution_predicted(), counted).startswith("correct"), counted
+    assert counted["ddp"]["all_reduce"][1] == 433152  # the gradients' bytes, in one bucket
+
+
+# Exercise 3: the bug hunt
+def test_exercise_3_bug_hunt(cluster):
+    verdict = lesson.check_bug_hunt(cluster, lesson.solution_wrap, lesson.solution_train)
+    assert verdict.startswith("correct: 3 all-reduce(s) for 3 steps (1 bucket(s))"), verdict
+    skeleton = defined(lesson.SKELETONS["hunt"], "wrap"), defined(lesson.SKELETONS["hunt"], "train")
+    verdict = lesson.check_bug_hunt(cluster, *skeleton)
+    assert verdict.startswith("still wrong:"), verdict
+    for symptom in ("wrap all but the last in model.no_sync()", "bucket_cap_mb is tiny", ".item() ran",
+                    "give it workers"):
+        assert symptom in verdict, (symptom, verdict)
+
+
+OTHER_FIX = '''
+def train(model, dataset, optimizer, steps=3, accumulate=4):
+    import torch
+    from torch.utils.data import DataLoader
+    from tutorial.core.gpt import loss_fn
+    loader = iter(DataLoader(dataset, batch_size=8, num_workers=1, persistent_workers=True))
+    total = torch.zeros(())
+    for step in range(steps):
+        for micro in range(accumulate):
+            X, y = next(loader)
+            model.require_backward_grad_sync = micro == accumulate - 1  # what no_sync() sets
+            loss = loss_fn(model(X), y) / accumulate
+            loss.backward()
+            total += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad()
+    return total.item() / steps
+'''
+
+
+def test_exercise_3_accepts_other_fixes_and_names_a_loop_that_never_syncs(cluster):
+    wrap = defined("def wrap(model):\n    from torch.nn.parallel import DistributedDataParallel as DDP\n"
+                   "    return DDP(model, bucket_cap_mb=4)\n")
+    verdict = lesson.check_bug_hunt(cluster, wrap, defined(OTHER_FIX))
+    assert verdict.startswith("correct: 3 all-reduce(s)"), verdict
+    never = defined(OTHER_FIX.replace("micro == accumulate - 1", "False"))
+    verdict = lesson.check_bug_hunt(cluster, wrap, never)
+    assert verdict.startswith("still wrong: the ranks' weights differ"), verdict
+    one_left = defined(OTHER_FIX.replace("num_workers=1, persistent_workers=True", "num_workers=0"))
+    verdict = lesson.check_bug_hunt(cluster, wrap, one_left)
+    assert verdict.startswith("still wrong: the loader reads in the training process"), verdict
+    assert not any(s in verdict for s in ("no_sync", "bucket_cap_mb", ".item()", "weights differ")), verdict
+
+
+# Exercise 4: a layout for 64 GPUs
+def test_exercise_4_layout():
+    verdict = lesson.check_layout(lesson.solution_choose_layout)
+    assert verdict.startswith("correct: 8 x 4 x 2 (zero=3) fits"), verdict
+    verdict = lesson.check_layout(defined(lesson.SKELETONS["layout"]))
+    assert verdict == ("wrong: tp=8 spans nodes of 4 GPUs: tensor parallel talks in every layer, keep it within a "
+                       "node's fast links"), verdict
+    other = defined("def choose_layout():\n    from tutorial.lessons.performance import Layout\n"
+                    "    return Layout(dp=16, tp=4, pp=1, zero=3)\n")
+    assert lesson.check_layout(other).startswith("correct: 16 x 4 x 1 (zero=3) fits")
+    replicas = defined("def choose_layout():\n    from tutorial.lessons.performance import Layout\n"
+                       "    return Layout(dp=64)\n")
+    verdict = lesson.check_layout(replicas)
+    assert verdict.startswith("wrong: the planner needs") and "the GPU has 80 GB" in verdict, verdict
+    uneven = defined("def choose_layout():\n    from tutorial.lessons.performance import Layout\n"
+                     "    return Layout(dp=4, tp=4, pp=3, zero=3)\n")
+    verdict = lesson.check_layout(uneven)
+    assert "48 ranks, but the job has 16 x 4 = 64 GPUs" in verdict and "32 layers do not split into 3" in verdict
+
+
+def test_the_dry_run_lays_out_what_the_planner_plans():
+    run = lesson.dry_run(lesson.BIG, lesson.Layout(dp=8, tp=4, pp=2, zero=3), 37, **lesson.LAYOUT_JOB)
+    assert run["coordinates"] == {"pp": 1, "dp": 1, "tp": 1} and run["q_local"] == (128, 4096)
+    assert run["parameter_bytes"] == run["planned"]["parameters"]
+    no_fsdp = lesson.dry_run(lesson.BIG, lesson.Layout(dp=8, tp=4, pp=2, zero=0), 37, **lesson.LAYOUT_JOB)
+    assert no_fsdp["parameter_bytes"] == 8 * run["parameter_bytes"]  # the negative control: nothing sharded over dp
+
+
+# The merged trace
+def _trace(path, seconds_of_work: int):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(seconds_of_work):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+    prof.export_chrome_trace(str(path))
+
+
+def test_the_merged_trace_is_one_chrome_trace_with_a_process_per_rank(tmp_path):
+    paths = [tmp_path / "trace_rank0.json", tmp_path / "trace_rank1.json"]
+    for i, p in enumerate(paths):
+        _trace(p, 3 + i)
+    merged = lesson.merge_traces([str(p) for p in paths], str(tmp_path / "merged.json"))
+    trace = json.loads((tmp_path / "merged.json").read_text())  # valid JSON, as Perfetto's importer needs
+    events = trace["traceEvents"]
+    assert merged["ranks"] == [0, 1] and merged["events"] == len(events)
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
+    assert names == {"rank 0": "rank 0", "rank 1": "rank 1"}
+    ops = [e for e in events if e.get("ph") == "X"]
+    assert ops and all(isinstance(e["ts"], (int, float)) and e["dur"] >= 0 and e["pid"] in names for e in ops)
+    mm = [sum(e["name"] == "aten::mm" and e["pid"] == f"rank {r}" for e in ops) for r in (0, 1)]
+    assert mm == [3, 4]  # each rank's own events, none lost or doubled
+    # negative control: the traces as the profiler wrote them share one pid, so Perfetto would show one process
+    pids = {e["pid"] for p in paths for e in json.loads(p.read_text())["traceEvents"] if e.get("cat") == "cpu_op"}
+    assert len(pids) == 1
+
+
+def test_the_straggler_is_the_rank_that_communicates_least():
+    breakdowns = [dict(communication=58.0, compute=18.0), dict(communication=13.0, compute=62.0)]
+    assert lesson.slowest_rank(breakdowns) == 1
+    assert lesson.slowest_rank(breakdowns[::-1]) == 0
