@@ -20,7 +20,7 @@ option (parameters after the epoch's 23 optimizer steps, and the test loss, Ligh
   torch.compile(DDP(model)) compiled nothing (it graph-breaks at DDP's forward), and FSDP's whole-model compile too.
 
 Numbers alone cannot tell an option that was ignored (channels_last and compile give the same weights as plain fp32),
-so every run is observed from inside (tutorial.bench.observe): bf16 runs must compute in bfloat16 and fp32 runs in
+so every run is observed from inside (tests/observe.py): bf16 runs must compute in bfloat16 and fp32 runs in
 float32, channels_last runs must feed their convolutions NHWC tensors, compile runs must run compiled graphs.
 test_the_matrix_can_fail shows each of these checks failing on a run without the option, and the weighting and the
 schedule failing when done the way they used to be.
@@ -37,7 +37,7 @@ import torch
 from conftest import needs_horovod, needs_mpi
 
 from tutorial import train_ddp, train_single
-from tutorial.bench.observe import run_observed
+from observe import run_observed
 from tutorial.core.config import TrainConfig
 from tutorial.core.optim import micro_batch_weight
 from tutorial.launch import engines
@@ -78,7 +78,7 @@ INPUTS_ONLY = ("fsdp", "deepspeed", "horovod")
 
 
 def expected_observation(cfg, stage: str = "ddp") -> dict:
-    """What a run of cfg must have computed, by the hooks of tutorial.bench.observe."""
+    """What a run of cfg must have computed, by the hooks of tests/observe.py."""
     if cfg.compile:
         return {"compiled": True}
     return {"dtypes": ["bfloat16" if cfg.precision == "bf16" else "float32"],
@@ -199,7 +199,7 @@ def test_the_matrix_can_fail(reference, cluster, tmp_path):
 
 
 # Every option is read or refused (issue 31): test_every_option_is_read_or_refused runs each trainer once with a
-# config that notes which fields it reads (tutorial.bench.observe.fields_read) and asks ignored_options.
+# config that notes which fields it reads (observe.fields_read, tests/observe.py) and asks ignored_options.
 NOT_READ_BY_DESIGN = {
     "data_dir": "read by core.data for the datasets on disk (mnist, cifar10, imagefolder), not for digits",
     "generated": "read by core.data for the datasets on disk, in place of their files",
@@ -237,7 +237,7 @@ def test_every_option_is_read_or_refused(stage, request, tmp_path):
     """Each trainer runs one epoch with a config that notes which fields it (and the core) reads: every field is
     read, refused by the trainer (config.ONLY_IN) or unread by design (NOT_READ_BY_DESIGN above, with the
     reason). train_lightning accepted --time-steps and left it unused, train_dp --compile for nothing."""
-    from tutorial.bench.observe import fields_read
+    from observe import fields_read
     cfg = BASE.replace(schedule="cosine", warmup_epochs=0.5, out=str(tmp_path), quiet=True)  # both lr branches
     main = importlib.import_module(f"tutorial.train_{stage}").main
     if stage in ("single", "dp"):
