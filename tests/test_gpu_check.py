@@ -349,6 +349,29 @@ REHEARSED = ["probe", "single-bf16-channels-last", "ddp-gloo-2-ranks-on-1-gpus",
              "control-hang", "control-missing-program", "control-exit-code-only", "control-failing-notebook"]
 
 
+def late_checks(lines: list[dict]) -> dict:
+    """The checks of gpu_check.jsonl lines that ran to their end in more than 1.5 x their estimate + 5 s (the
+    runner's over_estimate) times how much busier than its cores the machine was (the line's load average: on make
+    test's 2 cores the notebook lane, and here other work, run beside the rehearsal)."""
+    late = {}
+    for line in lines:
+        r, slowdown = line["results"], max(1.0, line["load_average"][0] / line["hardware"]["usable_cores"])
+        allowed = slowdown * (verify.OVERRUN * r["estimate_seconds"] + verify.OVERRUN_SLACK)
+        if "seconds" in r and not r["timed_out"] and r["seconds"] > allowed:
+            late[r["check"]] = f"{r['seconds']} s, {allowed:.0f} allowed"
+    return late
+
+
+def test_late_checks_counts_the_load_and_only_runs_that_ended():
+    """The control of the rehearsal's time check: 60 s for an estimate of 12 on a quiet machine is late; on one ten
+    times busier than its cores, or cut at its timeout, it is not evidence of an overrun."""
+    def line(load, timed_out=False):
+        return dict(load_average=[load], hardware=dict(usable_cores=2),
+                    results=dict(check="c", seconds=60.0, estimate_seconds=12, timed_out=timed_out))
+    assert late_checks([line(1.0)]) == {"c": "60.0 s, 23 allowed"}
+    assert late_checks([line(20.0)]) == {} and late_checks([line(1.0, timed_out=True)]) == {}
+
+
 def _leftovers(marker: str) -> list[int]:
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
@@ -380,10 +403,9 @@ def test_the_cpu_rehearsal_of_stage_1(tmp_path):
     assert all(line["hardware"]["cores"] and line["versions"]["torch"] and line["date"] for line in lines)
     for name in REHEARSED[:4]:
         assert got[name]["status"] == "pass", (name, got[name])
-    # Every check that ran to its end took at most 1.5 x its estimate + 5 s (the runner's over_estimate; its control
-    # is test_a_run_well_over_its_estimate_is_recorded_as_such): a check that overruns on any machine fails here.
-    assert all(r["seconds"] > 0 and r["estimate_seconds"] > 0 for r in got.values() if "seconds" in r)
-    assert {name: r["over_estimate"] for name, r in got.items() if "over_estimate" in r} == {}, out
+    # An overrun of what every machine runs (Python's and torch's start, the launcher's rendezvous, the refusal, a
+    # kernel's start) fails here (late_checks).
+    assert late_checks(lines) == {}, out
     # the packages came from the bundle, not from this venv
     packages = got["probe"]["probe"]["packages"]
     assert all(str(tmp_path) in packages[p] for p in ("ipykernel", "nbclient", "ipyparallel", "deepspeed")), packages
