@@ -49,31 +49,16 @@ class Check:
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-    """What the plan is for: n GPUs (1 to 8) named `visible`, results under `out`; rehearse: the CPU, smoke sizes."""
+    """What the plan is for: n GPUs (1 to 8) named `visible`, the runs' folder `out`; rehearse: the CPU, smoke sizes."""
     n: int
     visible: tuple
     out: Path
     rehearse: bool
-
-    @property
-    def device(self) -> str:
-        return "cpu" if self.rehearse else "cuda"
-
-    @property
-    def preset(self) -> list:
-        return REHEARSAL if self.rehearse else WORKSHOP
-
-    @property
-    def bound(self) -> float | None:  # only the smoke preset trains to its accuracy within a check
-        return ACCURACY_BOUND["smoke"] if self.rehearse else None
-
-    @property
-    def label(self) -> str:  # the allocation: one GPU shared, or the whole node
-        return f"{self.n}gpu" if self.n >= 2 else "1gpu"
-
-    @property
-    def ranks(self) -> str:  # the multi-rank trainers' launch: one GPU, or one rank per GPU over NCCL
-        return f"nccl-{self.n}" if self.n >= 2 else "1gpu"
+    device: str          # what a run must report: cuda, or cpu in the rehearsal
+    preset: list         # the trainers' preset flags
+    bound: float | None  # the accuracy a trainer check must reach: only the smoke preset trains to it in a check
+    label: str           # the allocation: one GPU shared ("1gpu"), or the whole node ("8gpu")
+    ranks: str           # the multi-rank trainers' launch: one GPU, or one rank per GPU over NCCL ("nccl-8")
 
 
 def plan(gpus: int, out: Path, rehearse: bool = False, visible: list[str] | None = None,
@@ -83,7 +68,9 @@ def plan(gpus: int, out: Path, rehearse: bool = False, visible: list[str] | None
     the notebooks run under that allocation. rehearse: the same list on the CPU with the smoke preset (make test),
     with the negative controls. measured: seconds by check name (measured_seconds) that raise the estimates."""
     n = min(max(gpus, 1), 8)
-    node = Node(n, tuple(visible or [str(i) for i in range(n)]), out, rehearse)
+    node = Node(n, tuple(visible or [str(i) for i in range(n)]), out, rehearse, device="cpu" if rehearse else "cuda",
+                preset=REHEARSAL if rehearse else WORKSHOP, bound=ACCURACY_BOUND["smoke"] if rehearse else None,
+                label=f"{n}gpu" if n >= 2 else "1gpu", ranks=f"nccl-{n}" if n >= 2 else "1gpu")
     found = [probe_check(node)]
     for stage in (stage_1, stage_2, stage_3, stage_4, stage_5):
         found += stage(node)

@@ -107,7 +107,9 @@ def run_check(check: Check, timeout: float, env: dict, keep: Path) -> dict:
         return dict(status="skip", skipped=f"{check.command[0]} could not start: {exc.strerror or exc}")
     out = Path(check.out) if check.out else None
     metrics = json.loads((out / "metrics.json").read_text()) if out and (out / "metrics.json").exists() else None
-    overhead = [json.loads(x) for x in _read(out / "overhead.jsonl").splitlines() if x.strip()] if out else []
+    records = out / "overhead.jsonl" if out else None
+    overhead = [json.loads(x) for x in records.read_text().splitlines() if x.strip()] if records and records.exists() \
+        else []
     bad, facts = verify(check, code, output, metrics, overhead)
     result = dict(status="pass" if not bad else "FAIL", exit_code=code, timed_out=code is None,
                   seconds=round(seconds, 1), failed_claims=bad, **facts)
@@ -159,10 +161,6 @@ def keep_failed(check: Check, output: str, keep: Path) -> list[str]:
         shutil.copy(executed, keep / f"{check.name}.ipynb")
         kept.append(str(keep / f"{check.name}.ipynb"))
     return kept
-
-
-def _read(path: Path) -> str:
-    return path.read_text() if path.exists() else ""
 
 
 def _become_subreaper() -> None:
