@@ -1,7 +1,7 @@
-"""notebook.allocation on each allocation an attendee may land on, faked on this CPU machine by what torch reports
-(the decision only; make gpu-check runs the GPU paths themselves): no GPU, fewer GPUs than ranks (one GPU per
-attendee), enough GPUs (a full node), and a shared node's CUDA_VISIBLE_DEVICES subset. Then that the engines and the
-notebooks take what it decided."""
+"""launch.allocation (the notebooks' notebook.allocation) on each allocation an attendee may land on, faked on this
+CPU machine by what torch reports (the decision only; make gpu-check runs the GPU paths themselves): no GPU, fewer GPUs
+than ranks (one GPU per attendee), enough GPUs (a full node), and a shared node's CUDA_VISIBLE_DEVICES subset. Then
+that the engines and the notebooks take what it decided."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,8 @@ import torch
 from conftest import ROOT
 
 from tutorial.core.config import ConfigError, TrainConfig, to_argv
+from tutorial.core.parallel_config import ParallelConfig
+from tutorial.launch import allocation as policy
 from tutorial.launch import engine_options, engines
 from tutorial.lessons import notebook
 
@@ -42,7 +44,7 @@ def engine_env(alloc, n: int) -> dict:
 def test_no_gpu_runs_the_cpu_preset_over_gloo(gpus, capsys):
     gpus(0)
     smoke = TrainConfig.preset("smoke")
-    alloc = notebook.allocation(2, smoke)
+    alloc = policy.allocation(2, smoke)
     assert (alloc.device, alloc.backend, alloc.gpus, alloc.cfg, alloc.env) == ("cpu", "gloo", (), smoke, "")
     assert capsys.readouterr().out == "allocation: 2 rank(s) on the CPU with gloo (no GPU visible); preset smoke\n"
     started = engine_env(alloc, 2)
@@ -51,7 +53,7 @@ def test_no_gpu_runs_the_cpu_preset_over_gloo(gpus, capsys):
 
 def test_one_gpu_for_two_ddp_ranks_shares_it_over_gloo(gpus, capsys):
     gpus(1)
-    alloc = notebook.allocation(2, TrainConfig.preset("workshop"))
+    alloc = policy.allocation(2, TrainConfig.preset("workshop"))
     assert (alloc.device, alloc.backend, alloc.gpus) == ("cuda", "gloo", ("0",))
     assert alloc.cfg.backend == "gloo" and alloc.cfg.preset_name == "workshop"  # the trainer gets --backend gloo
     assert alloc.env == "CUDA_VISIBLE_DEVICES=0"
@@ -73,7 +75,7 @@ def test_one_gpu_where_ranks_cannot_share_it_runs_them_on_the_cpu_sized_for_it(g
     Whatever it returns, the trainer accepts."""
     gpus(1)
     cfg = TrainConfig.preset("workshop", sync_bn=sync_bn, out="runs/x")
-    alloc = notebook.allocation(2, cfg, trainer)
+    alloc = policy.allocation(2, cfg, trainer)
     assert (alloc.device, alloc.backend, alloc.gpus, alloc.env) == ("cpu", "gloo", (), "CUDA_VISIBLE_DEVICES=")
     smoke = TrainConfig.preset("smoke")
     assert alloc.cfg.preset_name == "smoke" and alloc.cfg.out == "runs/x" and not alloc.cfg.sync_bn
@@ -91,25 +93,25 @@ def test_enough_gpus_one_rank_per_gpu_over_nccl(gpus, capsys):
     gpus(8)
     cfg = TrainConfig.preset("workshop")
     for trainer in ("ddp", "horovod", "fsdp", "deepspeed", "lightning", None):
-        alloc = notebook.allocation(2, cfg, trainer)
+        alloc = policy.allocation(2, cfg, trainer)
         assert (alloc.device, alloc.backend, alloc.gpus, alloc.cfg) == ("cuda", "nccl", ("0", "1"), cfg)
-    assert notebook.allocation(8, cfg).gpus == tuple("01234567")
+    assert policy.allocation(8, cfg).gpus == tuple("01234567")
     assert "8 rank(s) on GPU(s) 0,1,2,3,4,5,6,7, one per GPU, NCCL" in capsys.readouterr().out
-    started = engine_env(notebook.allocation(2, cfg), 2)
+    started = engine_env(policy.allocation(2, cfg), 2)
     assert started["count"] == (2, True) and started["env"]["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
 def test_a_shared_node_uses_only_the_attendees_gpus(gpus, capsys):
     gpus(2, visible="4,5")  # the instructor started this attendee's JupyterLab with CUDA_VISIBLE_DEVICES=4,5
     assert engines.visible_gpus() == ["4", "5"]
-    alloc = notebook.allocation(2, TrainConfig.preset("workshop"))
+    alloc = policy.allocation(2, TrainConfig.preset("workshop"))
     assert (alloc.device, alloc.backend, alloc.gpus, alloc.env) == ("cuda", "nccl", ("4", "5"),
                                                                     "CUDA_VISIBLE_DEVICES=4,5")
     assert "GPU(s) 4,5" in capsys.readouterr().out
     assert engine_env(alloc, 2)["env"]["CUDA_VISIBLE_DEVICES"] == "4,5"  # not 0 and 1, another attendee's
     # One GPU given, two ranks: they share GPU 5, not GPU 0.
     gpus(1, visible="GPU-5f1e,GPU-0aa")  # UUIDs too; CUDA took only the first
-    alloc = notebook.allocation(2, TrainConfig.preset("workshop"))
+    alloc = policy.allocation(2, TrainConfig.preset("workshop"))
     assert (alloc.device, alloc.backend, alloc.gpus) == ("cuda", "gloo", ("GPU-5f1e",))
     with pytest.raises(engines.ClusterError, match="GPU '3' is not visible here; choose from: GPU-5f1e"):
         engine_options.engine_count(2, "local", "auto", gpus=["3"])
@@ -119,13 +121,32 @@ def test_bad_input_is_one_line(gpus):
     gpus(0)
     for ranks in (0, 1.5, True):
         with pytest.raises(ConfigError, match="ranks must be a whole number"):
-            notebook.allocation(ranks, TrainConfig.preset("smoke"))
+            policy.allocation(ranks, TrainConfig.preset("smoke"))
     with pytest.raises(ConfigError, match="trainer 'torch' is not one of"):
-        notebook.allocation(2, TrainConfig.preset("smoke"), "torch")
+        policy.allocation(2, TrainConfig.preset("smoke"), "torch")
     with pytest.raises(engines.ClusterError, match="contradict"):
         engine_options.engine_count(2, "local", "cpu", gpus=["0"])
     with pytest.raises(engines.ClusterError, match="may run on others"):
         engine_options.engine_count(2, "slurm", "auto", gpus=["0"])
+
+
+def test_the_gpt_trainers_get_their_own_config_with_the_backend_and_no_preset(gpus, capsys):
+    """train_tp/pp/2d read a ParallelConfig, never a TrainConfig: the allocation hands back the one given with the
+    backend (None where none was given), and its line names no image preset; the controls: a TrainConfig for a GPT
+    trainer, or a ParallelConfig for an image trainer, is refused in one line."""
+    assert notebook.allocation is policy.allocation and notebook.sized_for_cpu is policy.sized_for_cpu
+    pcfg = ParallelConfig(steps=3)
+    for n, device, backend in ((0, "cpu", "gloo"), (1, "cpu", "gloo"), (8, "cuda", "nccl")):
+        gpus(n)
+        alloc = policy.allocation(2, pcfg, trainer="tp")
+        assert (alloc.device, alloc.backend, alloc.cfg) == (device, backend, pcfg.replace(backend=backend))
+        assert policy.allocation(4, trainer="2d").cfg is None
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == 2 and not any("preset" in line or "digits" in line for line in lines), lines
+    with pytest.raises(ConfigError, match="train_tp reads a ParallelConfig"):
+        policy.allocation(2, TrainConfig.preset("smoke"), trainer="tp")
+    with pytest.raises(ConfigError, match="train_ddp reads a TrainConfig, not a ParallelConfig"):
+        policy.allocation(2, pcfg)
 
 
 def _code(nb) -> list[str]:

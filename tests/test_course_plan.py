@@ -363,9 +363,9 @@ def test_the_plan_is_what_its_script_writes_from_the_notes_and_the_stored_runs(t
 
 def test_the_plan_and_readme_say_where_a_one_gpu_attendees_ranks_go_as_the_allocation_decides():
     """One GPU per attendee: the trainers that cannot share a GPU run on the CPU with the smoke preset's sizes
-    (notebook.sized_for_cpu); 4e6582a's plan said workshop-cpu sizes and left out tensor/pipeline parallel."""
-    from tutorial.lessons import notebook
-    assert notebook.CPU_PRESET == "smoke" and set(notebook.GPU_SHARING_TRAINERS) == {"ddp", notebook.BY_HAND}
+    (launch.allocation.sized_for_cpu); 4e6582a's plan said workshop-cpu sizes and left out tensor/pipeline parallel."""
+    from tutorial.launch import allocation as policy
+    assert policy.CPU_PRESET == "smoke" and set(policy.GPU_SHARING_TRAINERS) == {"ddp", policy.BY_HAND}
     plan = (ROOT / "slides" / "course_plan.md").read_text().split("Where ranks go", 1)[1].split("\n\n")[0]
     readme = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| 1 (one GPU"))
     for text in (" ".join(plan.split()), readme):

@@ -207,6 +207,8 @@ ALLOWED = {
     "train": {"core", "train"},  # train_2d builds on train_tp's plan (a diff of it); a circle still fails
     "launch": {"core", "train", "launch"},
     "bench": {"core", "train", "launch", "bench"},
+    # make gpu-check's driver: a tool of the repository that runs the trainers as people do; nothing imports it
+    "gpucheck": {"core", "train", "launch", "bench", "gpucheck"},
     "cli": {"core", "train", "launch", "bench", "cli"},
     "lessons": {"core", "train", "launch", "bench", "lessons"},
 }
@@ -298,6 +300,20 @@ def test_the_import_check_catches_a_back_edge_and_a_circle():
     graph = import_graph(files)
     assert "tutorial.core.config imports tutorial.lessons.notebook" in layer_violations(graph)
     assert any("tutorial.core.config" in c and "tutorial.core.process" in c for c in cycles(graph))
+
+
+def test_nothing_in_the_package_imports_gpu_check():
+    """gpu-check is a room of its own that imports the package (bench's record, launch's GPUs) and is imported by
+    nothing: the controls are the lessons and the command line importing it, and gpu-check importing the lessons."""
+    graph = import_graph(package_sources())
+    assert [m for m, targets in graph.items() if room(m) != "gpucheck" and any(room(t) == "gpucheck" for t in targets)
+            ] == [] and any(room(t) == "bench" for t in graph["tutorial.gpucheck.runner"])
+    files = package_sources()
+    files["tutorial.lessons.notebook"] += "\nfrom ..gpucheck import plan\n"
+    files["tutorial.cli"] += "\nfrom .gpucheck.runner import probe\n"
+    files["tutorial.gpucheck.plan"] += "\nfrom ..lessons.notebook import EXPECTED_ACCURACY\n"
+    assert {"tutorial.cli imports tutorial.gpucheck.runner", "tutorial.gpucheck.plan imports tutorial.lessons.notebook",
+            "tutorial.lessons.notebook imports tutorial.gpucheck.plan"} <= set(layer_violations(import_graph(files)))
 
 
 def test_the_simulated_gpu_lane_runs_every_notebook_and_its_promises_point_at_their_cells():

@@ -20,7 +20,7 @@ option (parameters after the epoch's 23 optimizer steps, and the test loss, Ligh
   torch.compile(DDP(model)) compiled nothing (it graph-breaks at DDP's forward), and FSDP's whole-model compile too.
 
 Numbers alone cannot tell an option that was ignored (channels_last and compile give the same weights as plain fp32),
-so every run is observed from inside (tutorial.bench.observe): bf16 runs must compute in bfloat16 and fp32 runs in
+so every run is observed from inside (tests/observe.py): bf16 runs must compute in bfloat16 and fp32 runs in
 float32, channels_last runs must feed their convolutions NHWC tensors (for the trainers that convert the inputs only,
 on 3-channel images: a 1-channel digit is NCHW and NHWC at once), compile runs must run compiled graphs.
 test_the_matrix_can_fail shows each of these checks failing on a run without the option, and the weighting and the
@@ -41,7 +41,7 @@ import torch
 from conftest import needs_horovod, needs_mpi
 
 from tutorial import train_ddp, train_single
-from tutorial.bench.observe import run_observed
+from observe import run_observed
 from tutorial.core.config import TrainConfig
 from tutorial.core.optim import micro_batch_weight
 from tutorial.launch import engines
@@ -84,7 +84,7 @@ THREE_CHANNELS = BASE.replace(dataset="cifar10", synthetic=True, image_size=8, m
 
 
 def expected_observation(cfg, stage: str = "ddp") -> dict:
-    """What a run of cfg must have computed, by the hooks of tutorial.bench.observe."""
+    """What a run of cfg must have computed, by the hooks of tests/observe.py."""
     if cfg.compile:
         return {"compiled": True}
     return {"dtypes": ["bfloat16" if cfg.precision == "bf16" else "float32"],
@@ -216,7 +216,7 @@ def test_the_matrix_can_fail(reference, cluster, request, tmp_path):
 
 # Every option is read or refused (issue 31): test_every_option_is_read_or_refused runs each trainer once with a
 # config that notes which fields the trainer's own code reads, itself or through the core functions it calls
-# (tutorial.bench.observe.fields_read: RunLog's reads for its record do not count), and asks ignored_options.
+# (observe.fields_read in tests/observe.py: RunLog's reads for its record do not count), and asks ignored_options.
 NOT_READ_BY_DESIGN = {
     "data_dir": "read by core.data for the datasets on disk (mnist, cifar10, imagefolder), not for digits",
     "generated": "read by core.data for the datasets on disk, in place of their files",
@@ -268,7 +268,7 @@ def test_the_option_check_can_fail(tmp_path, monkeypatch):
     """The option check on a copy of train_single that builds the cnn whatever --model says (the core's RunLog still
     reads the model for its record: the old check counted that read), iterates its loader without the run log's
     --progress bar, and reads --zero-stage, which it refuses (a wrong refusal)."""
-    from tutorial.bench.observe import fields_read
+    from observe import fields_read
     main = doctored("single", {"build_model(cfg.model, info)": 'build_model("cnn", info)',
                                "enumerate(loop.log.bar(loader, epoch))": "enumerate(loader)",
                                "torch.manual_seed(cfg.seed)": "torch.manual_seed(cfg.seed + 0 * cfg.zero_stage)"},
@@ -282,7 +282,7 @@ def test_every_option_is_read_or_refused(stage, request, tmp_path):
     """Each trainer runs one epoch with a config that notes which fields its own code reads: every field is read,
     refused by the trainer (config.ONLY_IN) or unread by design (NOT_READ_BY_DESIGN above, with the reason).
     train_lightning accepted --time-steps and left it unused, train_dp --compile for nothing."""
-    from tutorial.bench.observe import fields_read
+    from observe import fields_read
     cfg = OPTION_CHECK.replace(out=str(tmp_path))
     main = importlib.import_module(f"tutorial.train_{stage}").main
     read = where_it_runs(request, stage, fields_read, main, cfg)

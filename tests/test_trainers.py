@@ -151,7 +151,7 @@ def test_a_failed_run_stops_its_tensorboard_writer(tmp_path, monkeypatch):
 
 def test_bf16_trains_on_cpu(tmp_path):
     """bf16 is applied (the layers compute in bfloat16) and still learns to the smoke bound."""
-    from tutorial.bench.observe import run_observed
+    from observe import run_observed
     m = run_observed(train_single.main, TrainConfig.preset("smoke", precision="bf16"))
     assert m["observed"]["dtypes"] == ["bfloat16"] and m["test_accuracy"] >= 0.95
 
