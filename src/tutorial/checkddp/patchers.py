@@ -2,7 +2,7 @@
 
 A patcher takes the rank's Recorder and the original function and returns the function installed in its place, which
 notes what the call did in `rec.report` and calls the original with the same arguments, so the script runs as it
-would. Recorder.install installs PATCHERS in order; the optimizer's steps are watched by torch's global step hooks
+would. install() below puts PATCHERS in place, in order; the optimizer's steps are watched by torch's global step hooks
 (Recorder.before_step, after_step) instead. Nothing here imports torch before install: the launcher imports this.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def install(rec) -> None:
         setattr(owner, name, patcher(rec, getattr(owner, name)))
 
 
-# ------------------------------------------------------------------------------------------------ process group
+# -------------------------------------------------------------------------------------------------------- process group
 @patches("torch.distributed:init_process_group", "torch.distributed.distributed_c10d:init_process_group")
 def init_process_group(rec, original):
     import torch.distributed as dist
@@ -77,7 +77,7 @@ def collective(rec, original):
     return recording
 
 
-# ------------------------------------------------------------------------------------------ samplers and loaders
+# ------------------------------------------------------------------------------------------------- samplers and loaders
 @patches("torch.utils.data.distributed:DistributedSampler.__iter__")
 def sampler_order(rec, original):
     def recording(sampler):
@@ -167,7 +167,7 @@ def batch_fetch(rec, original):  # a random draw while fetching a batch is augme
     return recording
 
 
-# ------------------------------------------------------------------------------------------ DDP and the optimizer
+# ------------------------------------------------------------------------------------------------ DDP and the optimizer
 @patches("torch.nn.parallel:DistributedDataParallel.__init__")
 def ddp_wrap(rec, original):
     def recording(ddp, module, *args, **kwargs):
@@ -200,7 +200,7 @@ def optimizer_made(rec, original):
     return recording
 
 
-# ------------------------------------------------------------------------------------------- files and printing
+# --------------------------------------------------------------------------------------------------- files and printing
 @patches("torch:save")
 def save(rec, original):
     def recording(obj, f, *args, **kwargs):
@@ -234,7 +234,7 @@ def metric_print(rec, original):
     return recording
 
 
-# ---------------------------------------------------------------------------------------------- what they note
+# ------------------------------------------------------------------------------------------------------- what they note
 def digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:

@@ -82,7 +82,7 @@ class Recorder:
         register_optimizer_step_pre_hook(self.before_step)
         register_optimizer_step_post_hook(self.after_step)
 
-    # ------------------------------------------------------------------------------------------ where in the script
+    # ---------------------------------------------------------------------------------------------- where in the script
     def where(self, frame=None) -> str | None:
         """'line N: code' of the innermost frame of the script (or of a file beside it) on the current stack."""
         f = frame or sys._getframe(1)
@@ -104,7 +104,7 @@ class Recorder:
         """The caller of the recorded function is not torch itself (DDP's own collectives are not the script's)."""
         return f"{os.sep}torch{os.sep}" not in sys._getframe(2).f_code.co_filename
 
-    # -------------------------------------------------------------------------------------- what the patchers note
+    # ------------------------------------------------------------------------------------------- what the patchers note
     def key(self, keys: dict, obj) -> str:
         if id(obj) not in keys:
             keys[id(obj)] = str(len(keys))
@@ -135,7 +135,7 @@ class Recorder:
                 self.report["write_paths"].append({"path": path, "where": where})
                 self.report["writes"].append(os.path.basename(path))
 
-    # ----------------------------------------------------------------------------------------- optimizer steps
+    # -------------------------------------------------------------------------------------------------- optimizer steps
     def before_step(self, optimizer, args, kwargs) -> None:
         entry = self.optimizers.setdefault(id(optimizer), {"where": None, "object": optimizer, "index": None})
         if entry["index"] is not None:
@@ -197,7 +197,7 @@ class Recorder:
                 sums[f"optimizer{entry['index']}"] = digest(outside)
         return sums
 
-    # ----------------------------------------------------------------------------------------- reports and progress
+    # --------------------------------------------------------------------------------------------- reports and progress
     def write(self, path: str, data, raw: bool = False) -> None:
         tmp = f"{path}.{os.getpid()}.tmp"
         with self.original_open(tmp, "w") as f:
