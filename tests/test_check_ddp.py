@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, env
 
-from tutorial.launch import check_ddp as cd
+from tutorial.checkddp.command import main
+from tutorial.checkddp.findings import analyse
+from tutorial.checkddp.recorder import REPORT_FILE
+from tutorial.checkddp.run import check_ddp
 from tutorial.launch.child_processes import TAG, leftovers
 
 ZOO = ROOT / "tests" / "ddp_zoo"
@@ -48,21 +54,31 @@ def digest(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def files(folder: Path) -> set[str]:
+    """Every file under folder, as a path relative to it; caches (__pycache__) left out."""
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
-    """name -> (Report, seconds); each script checked once, on first use."""
+    """name -> Report; each script checked once, on first use, from an empty working directory of its own, with
+    the scratch folder `check` inside it (the scratch-folder test looks there for anything else)."""
     reports = {}
 
     def get(name):
         if name not in reports:
             script = ZOO / f"{name}.py"
-            before = digest(script)
-            # The one-process lr run where it matters: the correct scripts and the unscaled lr (each launch counts).
-            report = cd.check_ddp(script, CORRECT.get(name, []), out=tmp_path_factory.mktemp(name) / "check",
-                                  max_seconds=MAX_SECONDS, lr_check=name in CORRECT or name == "lr_not_scaled")
+            before, home, cwd = digest(script), tmp_path_factory.mktemp(name), os.getcwd()
+            os.chdir(home)
+            try:  # the one-process lr run where it matters: the correct scripts and the unscaled lr (a launch each)
+                report = check_ddp(script, CORRECT.get(name, []), out=home / "check", max_seconds=MAX_SECONDS,
+                                   lr_check=name in CORRECT or name == "lr_not_scaled")
+            finally:
+                os.chdir(cwd)
             assert digest(script) == before, "the check changed the script"
             reports[name] = report
         return reports[name]
+    get.zoo_files = files(ZOO)  # before any check: a script's files must not land beside it either
     return get
 
 
@@ -103,39 +119,48 @@ def test_the_hang_and_the_killed_rank_are_stopped_and_leave_nothing(zoo):
     assert hang.seconds < MAX_SECONDS, "the hang was found by its ranks standing still, not by the deadline"
     assert "dist.barrier()" in hang.findings[0].message and "rank 1 at" in hang.findings[0].message
     assert "rank 1 was killed by SIGKILL" in killed.findings[0].message
-    left = [p for p in leftovers(TAG) if not p["zombie"] and ("rank_recorder" in p["cmdline"]
+    left = [p for p in leftovers(TAG) if not p["zombie"] and ("tutorial.checkddp.recorder" in p["cmdline"]
                                                               or "torch.distributed.run" in p["cmdline"])]
     assert left == []
 
 
 def test_the_scripts_files_land_in_the_scratch_folder(zoo):
+    """The script saves checkpoint.pt to a relative path. Its working directory (the folder the check ran from)
+    gains nothing but the scratch folder, the script's own folder gains nothing, and every file the ranks opened for
+    writing is in the scratch folder's run/. Negative control: a check that leaves the script in the caller's working
+    directory (no TUTORIAL_CHECK_CWD) fails the first assertion with checkpoint.pt."""
     report = zoo("every_rank_writes")
-    assert (ROOT / "checkpoint.pt").exists() is False
-    run = cd.Path(report.out) / "run"
-    assert (run / "checkpoint.pt").exists() and (cd.Path(report.out) / "report.txt").exists()
+    out = Path(report.out)
+    assert [p.name for p in out.parent.iterdir()] == [out.name]
+    assert files(ZOO) == zoo.zoo_files
+    ranks = [json.loads((out / "ranks" / REPORT_FILE.format(r)).read_text()) for r in (0, 1)]
+    written = {Path(w["path"]).resolve() for rank in ranks for w in rank["write_paths"]}
+    assert written == {(out / "run" / "checkpoint.pt").resolve()} and (out / "run" / "checkpoint.pt").exists()
+    assert (out / "report.txt").exists()
 
 
 def test_the_analysis_finds_what_is_doctored_into_a_correct_run(zoo):
     """Negative controls of the analysis itself: a correct run's reports, changed to show a mistake."""
-    out = cd.Path(zoo("ok_grad_accumulation").out)
-    run = {"reports": cd._read(out / "ranks", "rank{}.json", 2), "progress": {}, "output": "", "hung": False,
+    out = Path(zoo("ok_grad_accumulation").out)
+    reports = {r: json.loads((out / "ranks" / REPORT_FILE.format(r)).read_text()) for r in (0, 1)}
+    run = {"reports": reports, "progress": {}, "output": "", "hung": False,
            "overran": False, "returncode": 0, "augment": {}, "max_seconds": 60}
-    assert cd.analyse(run, 2)[0] == []
+    assert analyse(run, 2)[0] == []
     doctored = copy.deepcopy(run)
     for sampler in doctored["reports"][1]["samplers"].values():
         for it in sampler["iterations"]:
             it["epoch"], it["order"] = 0, 1
-    assert [f.name for f in cd.analyse(doctored, 2)[0]] == ["set-epoch"]
+    assert [f.name for f in analyse(doctored, 2)[0]] == ["set-epoch"]
     doctored = copy.deepcopy(run)
     doctored["reports"][1]["checksums"]["ddp0"] = "0" * 16
-    assert [f.name for f in cd.analyse(doctored, 2)[0]] == ["replicas-differ"]
+    assert [f.name for f in analyse(doctored, 2)[0]] == ["replicas-differ"]
     doctored = copy.deepcopy(run)
     doctored["reports"][0]["sync_forwards"] = [4] * 8
-    assert [f.name for f in cd.analyse(doctored, 2)[0]] == ["no-sync"]
+    assert [f.name for f in analyse(doctored, 2)[0]] == ["no-sync"]
 
 
 def test_max_steps_stops_every_rank_after_the_same_step(tmp_path):
-    report = cd.check_ddp(ZOO / "set_epoch.py", max_steps=6, out=tmp_path / "check", lr_check=False)
+    report = check_ddp(ZOO / "set_epoch.py", max_steps=6, out=tmp_path / "check", lr_check=False)
     assert report.steps == {0: 6, 1: 6}, report.text()  # 4 steps an epoch: stopped inside the second epoch
     assert report.findings == [] and any("--max-steps 6" in n for n in report.notes)  # one whole epoch: unchecked
 
@@ -146,7 +171,7 @@ def test_max_seconds_stops_every_rank_after_the_same_step(tmp_path):
                       .replace("for epoch in range(2):", "for epoch in range(10**6):")
                       .replace("            optimizer.step()\n", "            optimizer.step()\n"
                                "            __import__('time').sleep(0.05)\n"))
-    report = cd.check_ddp(script, max_seconds=4, out=tmp_path / "check", lr_check=False)
+    report = check_ddp(script, max_seconds=4, out=tmp_path / "check", lr_check=False)
     assert report.findings == [], report.text()
     assert len(set(report.steps.values())) == 1 and report.steps[0] > 0
     assert any("--max-seconds 4" in n for n in report.notes)
@@ -176,7 +201,7 @@ def test_the_command_line_accepts_the_standalone_example(tmp_path):
     ([], "the following arguments are required: script"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, named, capsys):
-    assert cd.main(argv) == 2
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and named in err and len(err.strip().splitlines()) == 1, err
 

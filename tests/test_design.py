@@ -206,19 +206,21 @@ ALLOWED = {
     "core": {"core"},
     "train": {"core", "train"},  # train_2d builds on train_tp's plan (a diff of it); a circle still fails
     "launch": {"core", "train", "launch"},
+    "checkddp": {"core", "launch", "checkddp"},  # launch for child_processes: the run starts and stops torchrun
     "bench": {"core", "train", "launch", "bench"},
     # make gpu-check's driver: a tool of the repository that runs the trainers as people do; nothing imports it
     "gpucheck": {"core", "train", "launch", "bench", "gpucheck"},
-    "cli": {"core", "train", "launch", "bench", "cli"},
-    "lessons": {"core", "train", "launch", "bench", "lessons"},
+    "cli": {"core", "train", "launch", "checkddp", "bench", "cli"},
+    "lessons": {"core", "train", "launch", "checkddp", "bench", "lessons"},
 }
 
 
 def room(module: str) -> str:
+    """The room of a module of the package: its folder, or train (train_*.py), cli (cli.py, __main__.py)."""
     part = module.split(".")[1] if "." in module else ""
     if part == "__init__":
         return "core"  # the package's own __init__ holds the version only; Python runs it before any submodule
-    return "train" if part.startswith("train_") else part if part in ALLOWED else "cli"
+    return "train" if part.startswith("train_") else "cli" if part in ("cli", "__main__") else part
 
 
 def import_graph(files: dict[str, str]) -> dict[str, set[str]]:
@@ -277,6 +279,7 @@ def cycles(graph) -> list[list[str]]:
 def test_imports_run_one_way_without_circles():
     graph = import_graph(package_sources())
     assert len(graph) > 20 and any(graph.values()), "the import graph was not read"
+    assert {room(m) for m in graph} == set(ALLOWED), "a folder of the package that is no room here, or the reverse"
     assert layer_violations(graph) == []
     assert cycles(graph) == []
 
@@ -297,8 +300,12 @@ def test_the_import_check_catches_a_back_edge_and_a_circle():
     files = package_sources()
     files["tutorial.core.config"] += "\nfrom ..lessons import notebook\n"
     files["tutorial.core.config"] += "\ndef f():\n    from .process import free_port\n"  # process imports config
+    files["tutorial.launch.engines"] += "\nfrom ..checkddp.findings import analyse\n"  # a launcher using check-ddp
+    files["tutorial.checkddp.run"] += "\nfrom .. import train_ddp\n"  # check-ddp runs scripts, never our trainers
     graph = import_graph(files)
     assert "tutorial.core.config imports tutorial.lessons.notebook" in layer_violations(graph)
+    assert "tutorial.launch.engines imports tutorial.checkddp.findings" in layer_violations(graph)
+    assert "tutorial.checkddp.run imports tutorial.train_ddp" in layer_violations(graph)
     assert any("tutorial.core.config" in c and "tutorial.core.process" in c for c in cycles(graph))
 
 

@@ -206,8 +206,8 @@ def main(argv=None) -> int:
         from . import bench
         return bench.main(options)
     if args.command == "check-ddp":
-        from .launch import check_ddp
-        return check_ddp.main(options)
+        from .checkddp import command
+        return command.main(options)
     if args.command == "train":
         return train([args.stage, *options])
     return doctor(options)

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 -m tutorial.lessons.capstone_probe SCRIPT --out DIR
 
-runs SCRIPT as `__main__` with the arguments after it, on every rank, under tutorial.launch.rank_recorder (the
+runs SCRIPT as `__main__` with the arguments after it, on every rank, under tutorial.checkddp.recorder (the
 recorder of `tutorial check-ddp`), and at exit writes $CAPSTONE_PROBE_DIR/rank<R>.json. ddp.check_capstone reads
 from it: the order in which every DistributedSampler handed out its samples, epoch by epoch ("samplers"), the files
 the rank wrote ("writes"), the learning rate of each optimizer's first step ("lrs") and the error, if any.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..launch.rank_recorder import run
+from ..checkddp.recorder import run
 
 
 def main() -> None:

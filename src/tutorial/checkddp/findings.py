@@ -1,17 +1,10 @@
-"""`tutorial check-ddp SCRIPT [-- ARGS]`: run your own DDP training script under torchrun, unchanged, and say what is
-wrong with it, from what its ranks did.
+"""What is wrong with a DDP script, from the reports its ranks wrote: pure functions of `run`, check-ddp's analysis.
 
-    tutorial check-ddp train.py -- --epochs 2            # 2 ranks; the CPU (gloo) unless there is a GPU per rank
-    tutorial check-ddp train.py --nproc 4 --max-seconds 300 --max-steps 500 --out /tmp/check
-
-Each rank runs under tutorial.launch.rank_recorder, which watches the calls the script makes (process group,
-samplers, loaders, DDP, optimizer steps, saves, prints) without changing them. From the ranks' reports come the
-findings, one line each: what is wrong, the fix, and the script's line where there is one. Exit 0: nothing wrong
-(warnings are printed), 1: findings, 2: bad input. The script runs in a scratch folder (--out, else a new temporary
-one, named in the report), so its relative writes land there; nothing else of yours is touched, and every process
-the check started is stopped before it returns. Notebook 03b's "bring your own script" runs it.
-
-From Python (a notebook): `check_ddp(script, args=(), nproc=2, ...) -> Report`; report.findings are Finding tuples.
+`run` is what tutorial.checkddp.run.launch returns: {"reports": rank -> the rank's report (recorder.REPORT_FILE),
+"progress": rank -> its last progress record, "output": torchrun's output, "hung", "overran", "returncode",
+"augment": rank -> worker -> a loader worker's first random draw, "max_seconds", "stop_grace_s", "lr_probe": the
+one-process run's report or None}. Every finding is one line: what is wrong, the fix, and the script's line where
+there is one. tests/test_check_ddp.py feeds these functions a correct run's reports, doctored to show a mistake.
 """
 from __future__ import annotations
 
@@ -20,31 +13,15 @@ import math
 import os
 import re
 import signal
-import sys
-import tempfile
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-
-from ..core.config import OneLineErrorParser
-from ..core.process import threads_per_process
-from . import rank_recorder as recorder
-from .child_processes import Nodes, launcher_env
+from dataclasses import dataclass
 
 HANG_S = 10.0  # no live rank moved (no batch, no step, the same functions) for this long, one in a collective: a hang
 BEAT_S = 3.0  # a rank whose progress thread has not written for this long holds the GIL: it is busy, not waiting
-STOP_GRACE_S = 20.0  # after --max-seconds, the ranks get this long to reach their next step and stop together
-POLL_S = 0.2
-PROBE_WAIT_S = 30.0  # the most the one-process run may add after the ranks have finished
-MARKER = ".check-ddp"  # in a scratch folder the tool made: it may be reused
 PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|timed out|Timeout|NCCL communicator|"
                        r"DistBackendError|TCPStore", re.I)
 CHECKED = ("process group", "sampler and set_epoch", "shards", "replicas", "files written", "checkpoint keys",
            "learning rate", "metrics", "no_sync", "augmentation seeds", "uneven inputs", "teardown")
-
-
-class BadInput(ValueError):
-    """A value the check cannot run with: one line naming it and what is allowed (the CLI exits 2)."""
+FATAL = {"no-process-group", "world-size-1", "uneven-inputs", "hang", "rank-died", "script-error", "launch-failed"}
 
 
 @dataclass(frozen=True)
@@ -59,207 +36,16 @@ class Finding:
         return f"{self.where + ': ' if self.where else ''}{level}{self.name}: {self.message}"
 
 
-@dataclass
-class Report:
-    script: str
-    nproc: int
-    device: str
-    seconds: float
-    out: str
-    findings: list[Finding] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    steps: dict[int, int] = field(default_factory=dict)  # optimizer steps per rank
-
-    @property
-    def errors(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == "error"]
-
-    @property
-    def names(self) -> list[str]:
-        return [f.name for f in self.findings]
-
-    @property
-    def exit_code(self) -> int:
-        return 1 if self.errors else 0
-
-    def text(self) -> str:
-        steps = sorted(set(self.steps.values()))
-        lines = [f"check-ddp: {self.script} on {self.nproc} ranks ({self.device}), "
-                 f"{'/'.join(map(str, steps)) if steps else 'no'} optimizer steps per rank, {self.seconds:.1f} s"]
-        lines += [f.line() for f in self.findings]
-        lines += [f"note: {n}" for n in self.notes]
-        if self.errors:
-            lines.append(f"{len(self.errors)} finding(s); the run's output and reports are in {self.out}")
-        else:
-            lines.append(f"ok: nothing wrong found (checked: {', '.join(CHECKED)}); scratch folder {self.out}")
-        return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------------------- running
-def check_ddp(script, args=(), nproc: int = 2, max_seconds: float = 120.0, max_steps: int | None = None,
-              out=None, lr_check: bool = True) -> Report:
-    """Run `script args` under torchrun on `nproc` ranks, recorded, and return what is wrong with it.
-
-    Bounded by max_seconds (then every rank stops after the same step) and max_steps (optimizer steps); a run that
-    hangs is stopped HANG_S after its ranks stood still. lr_check=False skips the one-process run that tells
-    whether the learning rate scales with the world size. Raises BadInput for a value it cannot run with."""
-    script, args = Path(script), [str(a) for a in args]
-    if not script.is_file():
-        raise BadInput(f"script {str(script)!r} is not a file: give the path of your Python training script")
-    if not isinstance(nproc, int) or nproc < 2:
-        raise BadInput(f"--nproc {nproc} is not allowed: give 2 or more ranks (a check needs ranks to compare)")
-    if not max_seconds > 0:
-        raise BadInput(f"--max-seconds {max_seconds} is not allowed: give a number of seconds above 0")
-    if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
-        raise BadInput(f"--max-steps {max_steps} is not allowed: give 1 or more optimizer steps")
-    out = _scratch(out)
-    start = time.monotonic()
-    gpus = _gpus() >= nproc  # one GPU per rank; otherwise the CPU, where a script picks gloo
-    run = _launch(script, args, nproc, out, max_seconds, max_steps, gpus, lr_check)
-    findings, notes = analyse(run, nproc)
-    if lr_check and not any(f.name in FATAL for f in findings):
-        findings += lr_findings(run["reports"], run["lr_probe"], nproc)
-    report = Report(_display(script), nproc, "one GPU per rank" if gpus else "CPU, gloo", time.monotonic() - start,
-                    str(out), [_relative(f) for f in findings], notes,
-                    {r: _steps(run, r) for r in range(nproc)})
-    (out / "report.txt").write_text(report.text() + "\n")
-    return report
-
-
-def _gpus() -> int:
-    if not any(Path("/dev").glob("nvidia[0-9]*")) and not os.environ.get("CUDA_VISIBLE_DEVICES"):
-        return 0  # no NVIDIA device: spare the import of torch (seconds) that would say so
-    import torch
-    return torch.cuda.device_count()
-
-
-def _scratch(out) -> Path:
-    if out is None:
-        out = Path(tempfile.mkdtemp(prefix="check-ddp-"))
-    out = Path(out).absolute()
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
-        raise BadInput(f"--out {out} is not an empty folder: give a new or empty one (the script's files go there)")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("a scratch folder of tutorial check-ddp; its next run may empty it\n")
-    for old in (*out.glob("ranks/*"), *out.glob("lr_probe/ranks/*")):  # an earlier check's reports and stop file
-        old.unlink()
-    for sub in ("ranks", "run", "lr_probe/ranks", "lr_probe/run"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def _env(folder: Path, cwd: Path, gpus: bool, nproc: int, **extra) -> dict:
-    env = launcher_env(threads=threads_per_process(nproc), cpu=not gpus)
-    env.update({recorder.DIR_VARIABLE: str(folder), recorder.CWD_VARIABLE: str(cwd)})
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def _launch(script: Path, args, nproc, out: Path, max_seconds, max_steps, gpus, lr_check) -> dict:
-    """torchrun SCRIPT under the recorder, watched: stopped when it hangs or overruns. The reports it left."""
-    folder, probe = out / "ranks", out / "lr_probe"
-    env = _env(folder, out / "run", gpus, nproc, **{recorder.MAX_SECONDS_VARIABLE: max_seconds,
-                                                    recorder.MAX_STEPS_VARIABLE: max_steps or "",
-                                                    recorder.LR_PROBE_DIR_VARIABLE: probe if lr_check else ""})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "tutorial.launch.rank_recorder", str(script.absolute()), *args]
-    nodes = Nodes([cmd], env)
-    hung = overran = False
-    deadline = time.monotonic() + max_seconds + STOP_GRACE_S
-    try:
-        while nodes.procs[0].poll() is None:
-            time.sleep(POLL_S)
-            if _hanging(folder, nproc):
-                hung = True
-                break
-            if time.monotonic() > deadline:
-                overran = True
-                break
-        progress = _read(folder, "rank{}.progress.json", nproc)  # before the stop: where the ranks stood
-        # The one-process run forked by rank 0 stops at its first step; give it the time it needs to get there.
-        wait = time.monotonic() + min(max_seconds, PROBE_WAIT_S)
-        while lr_check and not hung and not overran and (probe / "ranks" / "rank0.progress.json").exists() \
-                and not (probe / "ranks" / "rank0.json").exists() and time.monotonic() < wait:
-            time.sleep(POLL_S)
-        output = nodes.text(0)
-    finally:
-        nodes.close()
-    (out / "output.log").write_text(output)
-    return {"reports": _read(folder, "rank{}.json", nproc), "progress": progress, "output": output, "hung": hung,
-            "overran": overran, "returncode": nodes.procs[0].returncode, "augment": _worker_augmentation(folder),
-            "max_seconds": max_seconds, "lr_probe": _read(probe / "ranks", "rank{}.json", 1).get(0)}
-
-
-def _read(folder: Path, pattern: str, nproc: int) -> dict[int, dict]:
-    found = {}
-    for rank in range(nproc):
-        path = folder / pattern.format(rank)
-        try:
-            found[rank] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            pass
-    return found
-
-
-def _worker_augmentation(folder: Path) -> dict[int, dict]:
-    found = {}
-    for path in folder.glob("rank*.worker*.aug.json"):
-        rank, worker = map(int, re.findall(r"\d+", path.name)[:2])
-        found.setdefault(rank, {})[worker] = json.loads(path.read_text())
-    return found
-
-
-def _hanging(folder: Path, nproc: int) -> bool:
-    finished = _read(folder, "rank{}.json", nproc)
-    live = [p for r, p in _read(folder, "rank{}.progress.json", nproc).items() if r not in finished]
-    now = time.time()
+def hanging(progress: dict[int, dict], finished: dict[int, dict], now: float) -> bool:
+    """The live ranks (those with progress but no final report) stood still for HANG_S, their progress threads
+    still beating, and one of them waits in a collective."""
+    live = [p for r, p in progress.items() if r not in finished]
     return bool(live) and all(now - p["changed"] > HANG_S and now - p["beat"] < BEAT_S for p in live) \
         and all(now - p["still"] > HANG_S for p in live) and any(p["in_collective"] for p in live)
 
 
-# -------------------------------------------------------------------------------------------------------- findings
-FATAL = {"no-process-group", "world-size-1", "uneven-inputs", "hang", "rank-died", "script-error", "launch-failed"}
-
-
-def _location(where: str | None) -> str:
-    return ":".join(where.split(":")[:2]) if where else ""
-
-
-def _code(where: str | None) -> str:
-    return where.split(":", 2)[2].strip() if where and where.count(":") >= 2 else ""
-
-
-def _relative(f: Finding) -> Finding:
-    if not f.where:
-        return f
-    path, _, line = f.where.rpartition(":")
-    return Finding(f.name, f.message, f"{_display(path)}:{line}", f.severity)
-
-
-def _display(path) -> str:
-    path = os.path.abspath(path)
-    rel = os.path.relpath(path)
-    return rel if not rel.startswith("..") else path
-
-
-def _steps(run: dict, rank: int) -> int:
-    source = run["reports"].get(rank) or run["progress"].get(rank) or {}
-    return int(source.get("steps", 0))
-
-
-def _ranks(ranks) -> str:
-    ranks = sorted(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
-def _root_causes(output: str) -> dict[int, int]:
-    """rank -> exit code of the failures torchrun's error summary names."""
-    return {int(r): int(c) for r, c in re.findall(r"rank\s*:\s*(\d+)\s*\(local_rank[^)]*\)\s*\n\s*exitcode\s*:\s*"
-                                                  r"(-?\d+)", output)}
-
-
 def analyse(run: dict, nproc: int) -> tuple[list[Finding], list[str]]:
-    """Findings and notes from what the ranks reported (run: what _launch returns)."""
+    """Findings and notes from what the ranks reported."""
     reports, progress = run["reports"], run["progress"]
     if not reports and not progress:
         last = [line for line in run["output"].strip().splitlines() if line.strip()][-1:] or ["no output"]
@@ -286,25 +72,36 @@ def analyse(run: dict, nproc: int) -> tuple[list[Finding], list[str]]:
         notes += noted
     stopped = [r["stop_reason"] for r in reports.values() if r.get("end") == "stopped" and r.get("stop_reason")]
     if stopped:
-        notes.append(f"stopped by {stopped[0]} after {max(_steps(run, r) for r in reports)} steps: the end of the "
+        notes.append(f"stopped by {stopped[0]} after {max(steps(run, r) for r in reports)} steps: the end of the "
                      "script (checkpoints, teardown) did not run; a shorter run (e.g. -- --epochs 2) checks it too")
     return findings, notes
 
 
+# ------------------------------------------------------------------------------------- the run did not end as it should
 def _fatal(run: dict, nproc: int) -> list[Finding]:
-    """A rank that died, failed, ran out of data before the others or hung: the run did not end as it should."""
-    reports, progress = run["reports"], run["progress"]
-    errors = {r: rep for r, rep in reports.items() if rep.get("end") == "error"}
-    missing = [r for r in range(nproc) if r not in reports]
+    """A rank that died, failed, ran out of data before the others or hung: the first of these that applies."""
+    errors = {r: rep for r, rep in run["reports"].items() if rep.get("end") == "error"}
+    missing = [r for r in range(nproc) if r not in run["reports"]]
+    return (_killed(run, missing) + _script_errors(errors)  # the first of these that finds anything
+            or _uneven_inputs(run, nproc, errors) or _stalled(run, errors, missing))
+
+
+def _killed(run: dict, missing: list[int]) -> list[Finding]:
+    """Ranks without a report that a signal other than torchrun's own SIGTERM ended."""
     causes = _root_causes(run["output"])
-    found = []
     signalled = {r: c for r, c in causes.items() if c < 0 and r in missing and c != -signal.SIGTERM}
+    found = []
     for r, code in sorted(signalled.items()):
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
         found.append(Finding("rank-died", f"rank {r} was killed by {name} (torchrun then stopped the others): the "
                              "out-of-memory killer or a scheduler; look at `dmesg` or the job's log, and lower the "
                              "batch size or the loader workers per rank"))
-    seen = set()
+    return found
+
+
+def _script_errors(errors: dict[int, dict]) -> list[Finding]:
+    """One finding per error the script raised, naming the ranks that raised it."""
+    found, seen = [], set()
     for r, rep in sorted(errors.items()):
         key = (rep.get("error"), rep.get("error_where"))
         if key in seen or PEER_GONE.search(rep.get("error") or ""):
@@ -316,39 +113,54 @@ def _fatal(run: dict, nproc: int) -> list[Finding]:
             hint = " (the script runs in the check's scratch folder: give absolute paths to your data)"
         found.append(Finding("script-error", f"{_ranks(ranks)} raised {rep['error']}{hint}",
                              _location(rep.get("error_where"))))
-    if found:
-        return found
+    return found
+
+
+def _uneven_inputs(run: dict, nproc: int, errors: dict[int, dict]) -> list[Finding]:
+    """Ranks that went through different numbers of training batches."""
+    reports, progress = run["reports"], run["progress"]
     forwards = {r: _forwards(run, r) for r in range(nproc) if r in reports or r in progress}
-    if len(set(forwards.values())) > 1:
-        most, least = max(forwards.values()), min(forwards.values())
-        early = [r for r, s in forwards.items() if s == least]
-        late = [r for r, s in forwards.items() if s == most]
-        where = next((progress[r]["where"] for r in late if r in progress and r not in reports),
-                     next((errors[r].get("error_where") for r in late if r in errors), None))
-        how = "hung" if run["hung"] else "failed" if any(r in errors for r in late) else "went on alone"
-        found.append(Finding("uneven-inputs", f"{_ranks(early)} ran out of data after {least} training batches, "
-                             f"{_ranks(late)} took {most} and {how} waiting for the others in a collective: give every "
-                             "rank the same number of batches (a DistributedSampler pads to that) or train inside "
-                             "`with model.join():` (torch.distributed.algorithms.Join)", _location(where)))
-        return found
+    if len(set(forwards.values())) <= 1:
+        return []
+    most, least = max(forwards.values()), min(forwards.values())
+    early = [r for r, s in forwards.items() if s == least]
+    late = [r for r, s in forwards.items() if s == most]
+    where = next((progress[r]["where"] for r in late if r in progress and r not in reports),
+                 next((errors[r].get("error_where") for r in late if r in errors), None))
+    how = "hung" if run["hung"] else "failed" if any(r in errors for r in late) else "went on alone"
+    return [Finding("uneven-inputs", f"{_ranks(early)} ran out of data after {least} training batches, "
+                    f"{_ranks(late)} took {most} and {how} waiting for the others in a collective: give every "
+                    "rank the same number of batches (a DistributedSampler pads to that) or train inside "
+                    "`with model.join():` (torch.distributed.algorithms.Join)", _location(where))]
+
+
+def _stalled(run: dict, errors: dict[int, dict], missing: list[int]) -> list[Finding]:
+    """A hang, a run that reached no step to stop at, or ranks that ended without finishing."""
+    reports, progress = run["reports"], run["progress"]
     if run["hung"]:
         stuck = {r: p for r, p in progress.items() if r not in reports}
         where = next((p["where"] for p in stuck.values() if p["in_collective"]), None)
         at = "; ".join(f"rank {r} at {_display_where(p['where'])}" for r, p in sorted(stuck.items()))
         done = f"; {_ranks(reports)} had finished" if reports else ""
-        found.append(Finding("hang", f"the ranks stood still for {HANG_S:g} s, one inside a collective ({at}{done}): "
-                             "every rank must reach the same collectives in the same order; one under `if rank == 0:` "
-                             "or a rank waiting for another's file hangs them", _location(where)))
-    elif run["overran"]:
+        return [Finding("hang", f"the ranks stood still for {HANG_S:g} s, one inside a collective ({at}{done}): "
+                        "every rank must reach the same collectives in the same order; one under `if rank == 0:` "
+                        "or a rank waiting for another's file hangs them", _location(where))]
+    if run["overran"]:
         at = "; ".join(f"rank {r} at {_display_where(p['where'])}" for r, p in sorted(progress.items())
                        if r not in reports)
-        found.append(Finding("hang", f"the script reached no optimizer step to stop at within --max-seconds "
-                             f"{run['max_seconds']:g} + {STOP_GRACE_S:g} s ({at}): raise --max-seconds if it is "
-                             "just slow to start, else it waits for something that never comes"))
-    elif errors or missing:
-        found.append(Finding("rank-died", f"{_ranks(set(errors) | set(missing))} ended without finishing (exit code "
-                             f"{run['returncode']}); the run's output.log in the scratch folder says more"))
-    return found
+        return [Finding("hang", f"the script reached no optimizer step to stop at within --max-seconds "
+                        f"{run['max_seconds']:g} + {run['stop_grace_s']:g} s ({at}): raise --max-seconds if it is "
+                        "just slow to start, else it waits for something that never comes")]
+    if errors or missing:
+        return [Finding("rank-died", f"{_ranks(set(errors) | set(missing))} ended without finishing (exit code "
+                        f"{run['returncode']}); the run's output.log in the scratch folder says more")]
+    return []
+
+
+def _root_causes(output: str) -> dict[int, int]:
+    """rank -> exit code of the failures torchrun's error summary names."""
+    return {int(r): int(c) for r, c in re.findall(r"rank\s*:\s*(\d+)\s*\(local_rank[^)]*\)\s*\n\s*exitcode\s*:\s*"
+                                                  r"(-?\d+)", output)}
 
 
 def _forwards(run: dict, rank: int) -> int:
@@ -362,9 +174,10 @@ def _display_where(where: str | None) -> str:
         return "an unknown line"
     path, line = where.split(":")[:2]
     code = _code(where)
-    return f"{_display(path)}:{line}" + (f" `{code}`" if code else "")
+    return f"{display(path)}:{line}" + (f" `{code}`" if code else "")
 
 
+# ----------------------------------------------------------------------------------------------------------- the checks
 def _training_loaders(run: dict) -> dict[str, dict[int, dict]]:
     """loader key -> rank -> record, for the loaders whose batches the ranks trained on."""
     loaders = {}
@@ -425,23 +238,32 @@ def _shard_findings(run: dict, nproc: int):
 
 
 def _replica_findings(run: dict, nproc: int):
-    reports = run["reports"]
-    ended = [r for r in reports.values() if r["end"] in ("finished", "stopped")]
+    ended = [r for r in run["reports"].values() if r["end"] in ("finished", "stopped")]
     if len(ended) < nproc:
         return [], []
-    first = next(iter(reports.values()))
+    first = next(iter(run["reports"].values()))
+    return _ddp_replicas(first, ended) or _optimized_outside_ddp(first, ended), []
+
+
+def _ddp_replicas(first: dict, ended: list[dict]) -> list[Finding]:
+    """Each DDP model's weights, equal on every rank at the first step and at the end?"""
     for i, wrap in enumerate(first["ddp"]):
         starts = {json.dumps(o["first"].get(f"ddp{i}")) for r in ended for o in r["optimizers"][:1]}
         if len(starts) > 1:
             return [Finding("changed-after-wrap", "the DDP model's replicas differ before the first optimizer step "
                             "although DDP(model) made them equal: the model was changed after wrapping (a reset, a "
                             "load on one rank, a rank-dependent seed); change it before DDP(model)",
-                            _location(wrap["where"]))], []
+                            _location(wrap["where"]))]
         ends = {r.get("checksums", {}).get(f"ddp{i}") for r in ended}
         if len(ends) > 1:
             return [Finding("replicas-differ", "the DDP model's replicas started equal and differ at the end: its "
                             "parameters were changed outside backward and optimizer.step (e.g. an in-place update "
-                            "on some ranks); change them the same way on every rank", _location(wrap["where"]))], []
+                            "on some ranks); change them the same way on every rank", _location(wrap["where"]))]
+    return []
+
+
+def _optimized_outside_ddp(first: dict, ended: list[dict]) -> list[Finding]:
+    """The parameters an optimizer updates outside any DDP model (all of them without DDP), equal on every rank?"""
     for j, opt in enumerate(first["optimizers"]):
         if not opt["outside_ddp"] or any(len(r["optimizers"]) <= j for r in ended):
             continue
@@ -453,13 +275,13 @@ def _replica_findings(run: dict, nproc: int):
             return [Finding("unbroadcast-initial-weights", f"the ranks start from different weights: {what} differ "
                             "at the first step and nothing broadcasts them; wrap the model in DDP (it broadcasts "
                             "rank 0's weights) or seed every rank the same before building it",
-                            _location(opt["where"]))], []
+                            _location(opt["where"]))]
         if len(ends) > 1:
             fix = ("are outside the DDP model, so their gradients are never averaged: make them part of the "
                    "wrapped module" if first["ddp"] else "get gradients that no rank averages: wrap the model in DDP")
             return [Finding("replicas-differ", f"the replicas differ at the end: {what} {fix}",
-                            _location(opt["where"]))], []
-    return [], []
+                            _location(opt["where"]))]
+    return []
 
 
 def _write_findings(run: dict, nproc: int):
@@ -555,35 +377,35 @@ def _teardown_findings(run: dict, nproc: int):
     return [], []
 
 
-# ------------------------------------------------------------------------------------------------------------- CLI
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    script_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
-    parser = OneLineErrorParser(prog="tutorial check-ddp", usage="tutorial check-ddp SCRIPT [options] [-- SCRIPT_ARGS...]",
-                            description="Run your DDP training script, unchanged, under torchrun and say what is "
-                            "wrong with it, from what its ranks did. Exit 0: nothing wrong, 1: findings, 2: bad input.")
-    parser.add_argument("script", help="your training script, run unchanged")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks to start (default 2)")
-    parser.add_argument("--max-seconds", type=float, default=120.0,
-                        help="then every rank stops after the same step (default 120)")
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    parser.add_argument("--out", default=None, help="scratch folder for the run (default: a new temporary one)")
-    parser.add_argument("--no-lr-check", action="store_true",
-                        help="skip the one-process run that compares the learning rate")
-    try:
-        opts = parser.parse_args(own)
-    except SystemExit as exc:
-        return 0 if exc.code == 0 else 2
-    try:
-        report = check_ddp(opts.script, script_args, opts.nproc, opts.max_seconds, opts.max_steps, opts.out,
-                           lr_check=not opts.no_lr_check)
-    except BadInput as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(report.text())
-    return report.exit_code
+# -------------------------------------------------------------------------------------------------------- where and who
+def steps(run: dict, rank: int) -> int:
+    """Optimizer steps a rank took, from its report or, if it left none, its last progress record."""
+    source = run["reports"].get(rank) or run["progress"].get(rank) or {}
+    return int(source.get("steps", 0))
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def relative(f: Finding) -> Finding:
+    """The finding with its script's path relative to the working directory, where the script is inside it."""
+    if not f.where:
+        return f
+    path, _, line = f.where.rpartition(":")
+    return Finding(f.name, f.message, f"{display(path)}:{line}", f.severity)
+
+
+def display(path) -> str:
+    path = os.path.abspath(path)
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path
+
+
+def _location(where: str | None) -> str:
+    return ":".join(where.split(":")[:2]) if where else ""
+
+
+def _code(where: str | None) -> str:
+    return where.split(":", 2)[2].strip() if where and where.count(":") >= 2 else ""
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
