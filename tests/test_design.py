@@ -20,42 +20,105 @@ PARENTS = {"train_dp": "train_single", "train_ddp": "train_single", "train_horov
 OTHER_TRAINERS = ["train_lightning"]
 
 
+def is_tag(comment: str, tag: str) -> bool:
+    """A comment token that starts with the tag (`# DDP`, `# DDP: why`); `# DDPX` is not `# DDP`."""
+    return bool(tag) and comment.startswith(tag) and comment[len(tag):len(tag) + 1] in ("", ":", " ")
+
+
+def source_lines(text: str):
+    """Per line of `text`: its code without the comment, its comment token ("" if none), and the (first, last) line
+    of the statement (logical line) it belongs to, None for a blank or comment-only line; and the docstrings' lines.
+    From tokenize and ast, so a `#` in a string is text, not a comment."""
+    import ast
+    import io
+    import tokenize
+    lines = text.splitlines()
+    code, comment, stmt = [line.rstrip() for line in lines], [""] * len(lines), [None] * len(lines)
+    first = None
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        row = tok.start[0] - 1
+        if tok.type == tokenize.COMMENT:
+            comment[row], code[row] = tok.string, lines[row][:tok.start[1]].rstrip()
+        elif tok.type == tokenize.NEWLINE:
+            for r in range(first, row + 1):
+                stmt[r] = (first, row)
+            first = None
+        elif tok.type not in (tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING, tokenize.ENDMARKER):
+            first = row if first is None else first
+    docstrings = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and \
+                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                isinstance(body[0].value.value, str):
+            docstrings.update(range(body[0].lineno - 1, body[0].end_lineno))
+    return code, comment, stmt, docstrings
+
+
+def covered_lines(text: str, tag: str, changed: set[int], moved: set[str]) -> set[int]:
+    """The lines of `text` that a `tag` explains (the rule is untagged_additions' docstring)."""
+    lines = text.splitlines()
+    code, comment, stmt, docstrings = source_lines(text)
+    covered, blocks, bodies = set(docstrings), [], []  # the indents of open tagged comments' blocks, covered headers
+    for r, line in enumerate(lines):
+        indent = len(line) - len(line.lstrip())
+        if not line.strip():
+            blocks.clear()
+        elif stmt[r] is None:  # a comment on a line of its own: it ends the blocks at its indentation and deeper
+            continues = r - 1 in covered and stmt[r - 1] is None and lines[r - 1].startswith(" " * indent + "#")
+            blocks[:] = [b for b in blocks if b < indent]
+            if is_tag(comment[r], tag) or continues:
+                covered.add(r)
+                blocks.append(indent)
+        elif stmt[r][0] == r:  # a statement starts here
+            first, last = stmt[r]
+            clause = re.fullmatch(r"\s*(else|finally)\s*:", code[r]) is not None
+            while bodies and (indent < bodies[-1] or indent == bodies[-1] and not clause):
+                bodies.pop()
+            blocks[:] = [b for b in blocks if b <= indent]
+            in_block = bool(blocks) and blocks[-1] == indent and any(j in changed for j in range(first, last + 1))
+            if blocks and blocks[-1] == indent and not in_block:
+                blocks.pop()  # an unchanged statement ends the block
+            tagged = any(is_tag(comment[j], tag) for j in range(first, last + 1))
+            was_moved = all(code[j].strip() in moved for j in range(first, last + 1) if code[j].strip())
+            if tagged or in_block or (bodies and (was_moved or clause)) or r in docstrings:
+                covered.update(range(first, last + 1))
+                if code[last].endswith(":") and not clause:
+                    bodies.append(indent)  # its body: the lines indented deeper than it
+    return covered
+
+
 def untagged_additions(old_text: str, new_text: str, tag: str, parent_tag: str | None = None) -> list[str]:
     """Lines a stage changes over its parent that no tag explains: added lines without one, and parent lines it
     removes without putting anything in their place, when parent_tag is given (a stage may drop lines its parent
-    tagged with parent_tag, and move a line elsewhere). A tag covers a block, as accelerate's examples tag theirs: a
-    tagged comment line covers the changed lines after it up to the next blank line; a tagged statement covers its
-    continuation lines (until its brackets close) and, if it opens a block (`if ...:`, `try:`), the block's body and
-    its `except`/`finally` clauses. Also exempt: the module docstring and blank lines."""
+    tagged with parent_tag, and move a line elsewhere). Blank lines and docstrings need no tag. The rule:
+
+    - A tag is a comment token that starts with it (`# DDP`, `# DDP: why`), found by tokenize: a tag inside a
+      string is text, not a tag.
+    - A statement is covered when one of its lines carries the tag (a call over three lines needs it once).
+    - A tagged comment on a line of its own (and the comment lines under it at its indentation, which continue it)
+      covers the block under it, as accelerate's `# New Code #` does: the changed statements that start at the
+      comment's indentation, up to the first blank line, comment, unchanged statement or statement at a smaller
+      indentation. It does not cover the bodies of the `if`/`for`/`with` statements in that block.
+    - A covered statement that opens a block (`if ...:`, `try:`) covers, in its body, only what the diff moved
+      there from the parent (the same code that it removes elsewhere, e.g. re-indented under a new `if`), and its
+      own `else:`/`finally:`; new code in the body needs its own tag.
+    What a tagged comment still vouches for: a new statement put directly under it at its own indentation, in its
+    block. That is what a block comment is for; keep such blocks short."""
+    import difflib
     old, new = old_text.splitlines(), new_text.splitlines()
-    docstring_end = next(i for i, line in enumerate(new) if i > 0 and line.rstrip().endswith('"""'))
-    bad, kept = [], {line.split("#")[0].strip() for line in new}
-    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
-        if op == "delete" and parent_tag is not None:
-            bad += [f"removed line {i + 1}: {old[i].strip()}" for i in range(i1, i2) if old[i].strip() and not (
-                parent_tag and parent_tag in old[i] or old[i].split("#")[0].strip() in kept)]
-        if op not in ("replace", "insert"):
-            continue
-        block, depth = j1 > 0 and new[j1 - 1].strip().startswith(tag), 0  # a tagged comment just above the hunk
-        body = None  # the indent of a tagged statement that opened a block: deeper lines are its body
-        for j in range(j1, j2):
-            line, code = new[j], new[j].split("#")[0]
-            if not line.strip():
-                block, depth = False, 0
-                continue
-            indent = len(line) - len(line.lstrip())
-            in_body = body is not None and (indent > body or (indent == body and re.match(
-                r"\s*(except|finally|else|elif)\b", line) is not None))
-            if not in_body:
-                body = None
-            covered = j <= docstring_end or tag in line or block or depth > 0 or in_body
-            block = block or line.strip().startswith(tag)
-            if tag in line and code.rstrip().endswith(":"):
-                body = indent
-            depth = max(depth + code.count("(") + code.count("[") + code.count("{")
-                        - code.count(")") - code.count("]") - code.count("}"), 0) if covered else 0
-            if not covered:
-                bad.append(f"line {j + 1}: {line.strip()}")
+    old_code = source_lines(old_text)[0]
+    opcodes = difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes()
+    moved = {old_code[i].strip() for op, i1, i2, _, _ in opcodes if op in ("replace", "delete") for i in range(i1, i2)}
+    changed = {j for op, _, _, j1, j2 in opcodes if op in ("replace", "insert") for j in range(j1, j2)}
+    covered = covered_lines(new_text, tag, changed, moved - {""})
+    new_code = source_lines(new_text)[0]
+    kept = {line.strip() for line in new_code}
+    bad = [f"line {j + 1}: {new[j].strip()}" for j in sorted(changed) if new[j].strip() and j not in covered]
+    if parent_tag is not None:
+        by_parent = covered_lines(old_text, parent_tag, set(range(len(old))), set())
+        bad += [f"removed line {i + 1}: {old[i].strip()}" for op, i1, i2, _, _ in opcodes if op == "delete"
+                for i in range(i1, i2) if old[i].strip() and i not in by_parent and old_code[i].strip() not in kept]
     return bad
 
 
