@@ -196,4 +196,5 @@ def main(cfg: TrainConfig, build=build) -> dict:
 
 
 if __name__ == "__main__":
-    run_main(main, parse_args("Train with PyTorch Lightning (DDP), a process per GPU.", stage=STAGE))
+    run_main(main, parse_args("Train with PyTorch Lightning (DDP), one process per GPU.",
+                              stage=STAGE))
