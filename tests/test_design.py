@@ -20,42 +20,105 @@ PARENTS = {"train_dp": "train_single", "train_ddp": "train_single", "train_horov
 OTHER_TRAINERS = ["train_lightning"]
 
 
+def is_tag(comment: str, tag: str) -> bool:
+    """A comment token that starts with the tag (`# DDP`, `# DDP: why`); `# DDPX` is not `# DDP`."""
+    return bool(tag) and comment.startswith(tag) and comment[len(tag):len(tag) + 1] in ("", ":", " ")
+
+
+def source_lines(text: str):
+    """Per line of `text`: its code without the comment, its comment token ("" if none), and the (first, last) line
+    of the statement (logical line) it belongs to, None for a blank or comment-only line; and the docstrings' lines.
+    From tokenize and ast, so a `#` in a string is text, not a comment."""
+    import ast
+    import io
+    import tokenize
+    lines = text.splitlines()
+    code, comment, stmt = [line.rstrip() for line in lines], [""] * len(lines), [None] * len(lines)
+    first = None
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        row = tok.start[0] - 1
+        if tok.type == tokenize.COMMENT:
+            comment[row], code[row] = tok.string, lines[row][:tok.start[1]].rstrip()
+        elif tok.type == tokenize.NEWLINE:
+            for r in range(first, row + 1):
+                stmt[r] = (first, row)
+            first = None
+        elif tok.type not in (tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING, tokenize.ENDMARKER):
+            first = row if first is None else first
+    docstrings = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and \
+                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                isinstance(body[0].value.value, str):
+            docstrings.update(range(body[0].lineno - 1, body[0].end_lineno))
+    return code, comment, stmt, docstrings
+
+
+def covered_lines(text: str, tag: str, changed: set[int], moved: set[str]) -> set[int]:
+    """The lines of `text` that a `tag` explains (the rule is untagged_additions' docstring)."""
+    lines = text.splitlines()
+    code, comment, stmt, docstrings = source_lines(text)
+    covered, blocks, bodies = set(docstrings), [], []  # the indents of open tagged comments' blocks, covered headers
+    for r, line in enumerate(lines):
+        indent = len(line) - len(line.lstrip())
+        if not line.strip():
+            blocks.clear()
+        elif stmt[r] is None:  # a comment on a line of its own: it ends the blocks at its indentation and deeper
+            continues = r - 1 in covered and stmt[r - 1] is None and lines[r - 1].startswith(" " * indent + "#")
+            blocks[:] = [b for b in blocks if b < indent]
+            if is_tag(comment[r], tag) or continues:
+                covered.add(r)
+                blocks.append(indent)
+        elif stmt[r][0] == r:  # a statement starts here
+            first, last = stmt[r]
+            clause = re.fullmatch(r"\s*(else|finally)\s*:", code[r]) is not None
+            while bodies and (indent < bodies[-1] or indent == bodies[-1] and not clause):
+                bodies.pop()
+            blocks[:] = [b for b in blocks if b <= indent]
+            in_block = bool(blocks) and blocks[-1] == indent and any(j in changed for j in range(first, last + 1))
+            if blocks and blocks[-1] == indent and not in_block:
+                blocks.pop()  # an unchanged statement ends the block
+            tagged = any(is_tag(comment[j], tag) for j in range(first, last + 1))
+            was_moved = all(code[j].strip() in moved for j in range(first, last + 1) if code[j].strip())
+            if tagged or in_block or (bodies and (was_moved or clause)) or r in docstrings:
+                covered.update(range(first, last + 1))
+                if code[last].endswith(":") and not clause:
+                    bodies.append(indent)  # its body: the lines indented deeper than it
+    return covered
+
+
 def untagged_additions(old_text: str, new_text: str, tag: str, parent_tag: str | None = None) -> list[str]:
     """Lines a stage changes over its parent that no tag explains: added lines without one, and parent lines it
     removes without putting anything in their place, when parent_tag is given (a stage may drop lines its parent
-    tagged with parent_tag, and move a line elsewhere). A tag covers a block, as accelerate's examples tag theirs: a
-    tagged comment line covers the changed lines after it up to the next blank line; a tagged statement covers its
-    continuation lines (until its brackets close) and, if it opens a block (`if ...:`, `try:`), the block's body and
-    its `except`/`finally` clauses. Also exempt: the module docstring and blank lines."""
+    tagged with parent_tag, and move a line elsewhere). Blank lines and docstrings need no tag. The rule:
+
+    - A tag is a comment token that starts with it (`# DDP`, `# DDP: why`), found by tokenize: a tag inside a
+      string is text, not a tag.
+    - A statement is covered when one of its lines carries the tag (a call over three lines needs it once).
+    - A tagged comment on a line of its own (and the comment lines under it at its indentation, which continue it)
+      covers the block under it, as accelerate's `# New Code #` does: the changed statements that start at the
+      comment's indentation, up to the first blank line, comment, unchanged statement or statement at a smaller
+      indentation. It does not cover the bodies of the `if`/`for`/`with` statements in that block.
+    - A covered statement that opens a block (`if ...:`, `try:`) covers, in its body, only what the diff moved
+      there from the parent (the same code that it removes elsewhere, e.g. re-indented under a new `if`), and its
+      own `else:`/`finally:`; new code in the body needs its own tag.
+    What a tagged comment still vouches for: a new statement put directly under it at its own indentation, in its
+    block. That is what a block comment is for; keep such blocks short."""
+    import difflib
     old, new = old_text.splitlines(), new_text.splitlines()
-    docstring_end = next(i for i, line in enumerate(new) if i > 0 and line.rstrip().endswith('"""'))
-    bad, kept = [], {line.split("#")[0].strip() for line in new}
-    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
-        if op == "delete" and parent_tag is not None:
-            bad += [f"removed line {i + 1}: {old[i].strip()}" for i in range(i1, i2) if old[i].strip() and not (
-                parent_tag and parent_tag in old[i] or old[i].split("#")[0].strip() in kept)]
-        if op not in ("replace", "insert"):
-            continue
-        block, depth = j1 > 0 and new[j1 - 1].strip().startswith(tag), 0  # a tagged comment just above the hunk
-        body = None  # the indent of a tagged statement that opened a block: deeper lines are its body
-        for j in range(j1, j2):
-            line, code = new[j], new[j].split("#")[0]
-            if not line.strip():
-                block, depth = False, 0
-                continue
-            indent = len(line) - len(line.lstrip())
-            in_body = body is not None and (indent > body or (indent == body and re.match(
-                r"\s*(except|finally|else|elif)\b", line) is not None))
-            if not in_body:
-                body = None
-            covered = j <= docstring_end or tag in line or block or depth > 0 or in_body
-            block = block or line.strip().startswith(tag)
-            if tag in line and code.rstrip().endswith(":"):
-                body = indent
-            depth = max(depth + code.count("(") + code.count("[") + code.count("{")
-                        - code.count(")") - code.count("]") - code.count("}"), 0) if covered else 0
-            if not covered:
-                bad.append(f"line {j + 1}: {line.strip()}")
+    old_code = source_lines(old_text)[0]
+    opcodes = difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes()
+    moved = {old_code[i].strip() for op, i1, i2, _, _ in opcodes if op in ("replace", "delete") for i in range(i1, i2)}
+    changed = {j for op, _, _, j1, j2 in opcodes if op in ("replace", "insert") for j in range(j1, j2)}
+    covered = covered_lines(new_text, tag, changed, moved - {""})
+    new_code = source_lines(new_text)[0]
+    kept = {line.strip() for line in new_code}
+    bad = [f"line {j + 1}: {new[j].strip()}" for j in sorted(changed) if new[j].strip() and j not in covered]
+    if parent_tag is not None:
+        by_parent = covered_lines(old_text, parent_tag, set(range(len(old))), set())
+        bad += [f"removed line {i + 1}: {old[i].strip()}" for op, i1, i2, _, _ in opcodes if op == "delete"
+                for i in range(i1, i2) if old[i].strip() and i not in by_parent and old_code[i].strip() not in kept]
     return bad
 
 
@@ -80,69 +143,218 @@ def test_every_model_parallel_line_is_tagged(stage):
     assert untagged_additions(read(base), read(stage), tag, MODEL_PARALLEL_PARENT_TAGS.get(stage, "")) == []
 
 
-def changed_lines(parent: str, stage: str) -> int:
-    """The + and - lines of `diff -u parent.py stage.py`."""
-    diff = difflib.unified_diff(read(parent).splitlines(), read(stage).splitlines(), lineterm="")
-    return sum(1 for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---")))
+def code_lines(text: str) -> set[int]:
+    """The lines of `text` that hold code: not blank, not a comment on a line of its own."""
+    stmt = source_lines(text)[2]
+    return {i for i, line in enumerate(text.splitlines()) if line.strip() and stmt[i] is not None}
 
 
+def changed_code_lines(old_text: str, new_text: str) -> int:
+    """The + and - lines of `diff -u old new` that are code (comment lines and blank lines not counted)."""
+    old_code, new_code = code_lines(old_text), code_lines(new_text)
+    ops = difflib.SequenceMatcher(None, old_text.splitlines(), new_text.splitlines(), autojunk=False).get_opcodes()
+    return sum(sum(i in old_code for i in range(i1, i2)) + sum(j in new_code for j in range(j1, j2))
+               for op, i1, i2, j1, j2 in ops if op != "equal")
+
+
+@pytest.mark.style
 def test_the_ddp_lesson_is_a_short_diff():
-    """diff -u train_single.py train_ddp.py is the DDP lesson and little else: at most 40 changed lines, every one
-    tagged (above). The DDP tutorial series makes the same change in about 20; infrastructure goes to core."""
-    assert changed_lines("train_single", "train_ddp") <= 40
+    """A style budget, not a behaviour check (the equivalence tests are those): diff -u train_single.py
+    train_ddp.py is the DDP lesson and little else, at most 40 changed code lines, every one tagged (above).
+    Comment lines are free, so that a why-comment sits above its line instead of pushing it past 100 characters.
+    The DDP tutorial series makes the same change in about 20; infrastructure goes to core."""
+    assert changed_code_lines(read("train_single"), read("train_ddp")) <= 40
+
+
+def test_the_diff_budget_counts_code_lines_not_comments():
+    single, ddp = read("train_single"), read("train_ddp")
+    base = changed_code_lines(single, ddp)
+    why = "    # DDP: a why-comment\n    # over two lines\n"
+    commented = ddp.replace("    model.train()\n", why + "    model.train()\n")
+    assert changed_code_lines(single, commented) == base
+    added = ddp.replace("    model.train()\n", "    model.train()\n    model.requires_grad_(True)  # DDP\n")
+    assert changed_code_lines(single, added) == base + 1
+
+
+def sneaky_lines(sneaky: str, parent: str = "train_single", tag: str = "# DDP") -> list[str]:
+    return [line.split(": ", 1)[1] for line in untagged_additions(read(parent), sneaky, tag)]
 
 
 def test_the_tag_check_catches_an_untagged_line():
     sneaky = read("train_ddp").replace("    model.train()\n", "    model.train()\n    model.requires_grad_(True)\n")
-    assert [line.split(": ", 1)[1] for line in untagged_additions(read("train_single"), sneaky, "# DDP")] == \
-        ["model.requires_grad_(True)"]
+    assert sneaky_lines(sneaky) == ["model.requires_grad_(True)"]
 
 
-def test_a_tagged_block_covers_its_body_only():
-    """A tagged `if`/`try` covers the lines indented under it, and nothing after the block ends."""
+def test_a_tag_inside_a_string_is_not_a_tag():
+    """Evasion 3 of review 5 §2.3 #8: a tag only counts in a comment token."""
+    sneaky = read("train_ddp").replace("    model.train()\n", '    model.train()\n    print("# DDP: not a comment")\n')
+    assert sneaky_lines(sneaky) == ['print("# DDP: not a comment")']
+
+
+def test_a_tagged_block_covers_only_what_it_moved_into_its_body():
+    """Evasion 2: a tagged `if` covers the parent's lines it moved into its body (the re-indented save), not new
+    code in its body, and nothing after the block ends."""
     ddp = read("train_ddp")
     save = "            checkpoint.save(cfg, model, loop.optimizer, loop.precision.scaler, state)\n"
     assert "        if dist.get_rank() == 0:  # DDP" in ddp and save in ddp  # the if's body, covered by its tag
-    sneaky = ddp.replace(save, save + "        print(state)\n")
-    assert [line.split(": ", 1)[1] for line in untagged_additions(read("train_single"), sneaky, "# DDP")] == \
-        ["print(state)"]
+    assert sneaky_lines(ddp.replace(save, save + "            print(state)\n")) == ["print(state)"]
+    assert sneaky_lines(ddp.replace(save, save + "        print(state)\n")) == ["print(state)"]
+
+
+def test_a_tagged_comment_covers_its_block_only():
+    """Evasion 1: a tagged comment line covers the changed statements under it at its indentation, up to a blank
+    line, a comment, an unchanged statement or a dedent: not the body of an `if` under it (the old rule covered
+    everything up to the next blank line, that body included), not a line after an unchanged one, not a line after
+    the loop it sits in."""
+    ddp = read("train_ddp")
+    flag = "        model.require_backward_grad_sync = last_micro_batch\n"
+    assert "        # DDP: what `with model.no_sync():` toggles" in ddp and flag in ddp
+    assert sneaky_lines(ddp) == []
+    body = ddp.replace(flag, flag + "        if cfg.compile:\n            torch.cuda.synchronize()\n")
+    assert sneaky_lines(body) == ["torch.cuda.synchronize()"]
+    backward = "        precision.backward(loss * micro_batch_weight(loader, i, len(y), cfg.grad_accum))\n"
+    assert sneaky_lines(ddp.replace(backward, backward + "        loss = loss * 2\n")) == ["loss = loss * 2"]
+    after = "    seconds = time.perf_counter() - start\n"
+    assert sneaky_lines(ddp.replace(after, "    torch.cuda.synchronize()\n" + after)) == ["torch.cuda.synchronize()"]
+    # what a block comment still vouches for, as documented: a new statement directly in its block
+    assert sneaky_lines(ddp.replace(flag, flag + "        model.zero_grad()\n")) == []
 
 
 def test_the_tag_check_catches_a_removed_line():
-    quiet = read("train_ddp").replace("        if checkpoint.trained_before(state, i):", "        if False:")
+    quiet = read("train_ddp").replace("        if i < skip:", "        if False:")
     quiet = quiet.replace("    model.train()\n", "")
     found = untagged_additions(read("train_single"), quiet, "# DDP", "")
-    assert [line.split(": ", 1)[1].split("  #")[0] for line in found] == ["model.train()", "if False:"], found
+    assert sorted(line.split(": ", 1)[1] for line in found) == ["if False:", "model.train()"], found
 
 
 def test_the_model_parallel_tag_check_catches_an_untagged_line():
     sneaky = read("train_2d").replace("    optimizer.step()\n", "    optimizer.step()\n    model.zero_grad()\n")
-    assert [line.split(": ", 1)[1] for line in untagged_additions(read("train_tp"), sneaky, "# 2D")] == \
-        ["model.zero_grad()"]
+    assert sneaky_lines(sneaky, "train_tp", "# 2D") == ["model.zero_grad()"]
 
 
-@pytest.mark.parametrize("stage", ["train_single", *STAGES, *OTHER_TRAINERS, "train_gpt",
-                                   *MODEL_PARALLEL_STAGES])
+ALL_TRAINERS = ["train_single", *STAGES, *OTHER_TRAINERS, "train_gpt", *MODEL_PARALLEL_STAGES]
+
+
+def long_lines(text: str, width: int = 100) -> list[str]:
+    return [f"{i}: {len(line)} characters" for i, line in enumerate(text.splitlines(), 1) if len(line) > width]
+
+
+@pytest.mark.parametrize("stage", ALL_TRAINERS)
+def test_no_trainer_line_passes_100_characters(stage):
+    """The lines notebooks and slides show as diffs do not wrap: an explanation too long for the end of its line
+    goes on a comment line above it."""
+    assert long_lines(read(stage)) == []
+
+
+def test_the_line_width_check_can_fail():
+    assert long_lines("x = 1\n" + "y = " + "1" * 97 + "\n") == ["2: 101 characters"]
+
+
+def function_lengths(text: str) -> dict[str, int]:
+    """Each function's code lines (docstrings, comments and blank lines not counted)."""
+    import ast
+    _, _, stmt, docstrings = source_lines(text)
+    return {node.name: sum(1 for i in range(node.lineno - 1, node.end_lineno) if stmt[i] is not None and
+                           i not in docstrings)
+            for node in ast.walk(ast.parse(text)) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+@pytest.mark.style
+@pytest.mark.parametrize("stage", ALL_TRAINERS)
 def test_trainers_stay_small(stage):
-    lines = read(stage).splitlines()
-    assert len(lines) <= 180, f"{stage}.py has {len(lines)} lines; a stage should read top to bottom"
+    """A style budget: a stage reads top to bottom, in functions that fit a screen. Counted in code lines, so a
+    comment that says why never costs budget."""
+    text = read(stage)
+    assert len(code_lines(text)) <= 180, f"{stage}.py has {len(code_lines(text))} code lines"
+    assert {name: n for name, n in function_lengths(text).items() if n > 40} == {}
 
 
-@pytest.mark.parametrize("stage", ["train_single", *STAGES])
+def test_the_size_checks_count_code_not_comments():
+    text = read("train_single")
+    commented = text.replace("    model.train()\n", "    # why\n" * 50 + "    model.train()\n")
+    assert len(code_lines(commented)) == len(code_lines(text))
+    assert function_lengths(commented) == function_lengths(text)
+    longer = text.replace("    model.train()\n", "    model.train()\n" * 10)
+    assert function_lengths(longer)["train_one_epoch"] == function_lengths(text)["train_one_epoch"] + 9
+
+
+# The skeleton every trainer shares (DESIGN.md): setup, build, the loop's functions, fit, and main(cfg, build=build)
+# last, which the `if __name__ == "__main__":` block runs. (name, the first parameters and their annotations; None:
+# any annotation)
+IMAGE_SKELETON = [("setup", [("cfg", "TrainConfig")]), ("build", [("cfg", "TrainConfig"), ("device", None)]),
+                  ("train_one_epoch", [("loop", "Loop"), ("loader", None), ("epoch", "int")]),
+                  ("evaluate", [("loop", "Loop"), ("model", None), ("loader", None)]),
+                  ("fit", [("loop", "Loop"), ("train_loader", None), ("test_loader", None)]),
+                  ("main", [("cfg", "TrainConfig"), ("build", None)])]
+GPT_SKELETON = [("setup", [("cfg", "ParallelConfig")]), ("build", [("cfg", "ParallelConfig"), ("device", None)]),
+                ("train_step", []), ("fit", [("cfg", None), ("device", None)]),
+                ("main", [("cfg", "ParallelConfig"), ("build", None)])]
+LIGHTNING_SKELETON = [("setup", [("cfg", "TrainConfig")]), ("build", [("cfg", "TrainConfig"), ("device", None)]),
+                      ("main", [("cfg", "TrainConfig"), ("build", None)])]
+SKELETONS = {**{s: IMAGE_SKELETON for s in ["train_single", *STAGES]},
+             **{s: GPT_SKELETON for s in ["train_gpt", *MODEL_PARALLEL_STAGES]},
+             **{s: LIGHTNING_SKELETON for s in OTHER_TRAINERS}}
+
+
+def skeleton_problems(text: str, skeleton) -> list[str]:
+    """What `text` lacks of `skeleton`, read with ast: the functions, in this order, at the top level, with these
+    first parameters; main's build defaulting to build; a __main__ block that runs main (run_main(main, ...))."""
+    import ast
+    tree = ast.parse(text)
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    problems = []
+    for name, params in skeleton:
+        if name not in functions:
+            problems.append(f"no top-level def {name}")
+            continue
+        args = functions[name].args.args
+        got = [(a.arg, ast.unparse(a.annotation) if a.annotation else None) for a in args[:len(params)]]
+        want = [(a, got[i][1] if ann is None and i < len(got) else ann) for i, (a, ann) in enumerate(params)]
+        if got != want:
+            problems.append(f"{name}{tuple(got)} is not {name}{tuple(want)}")
+    order = [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in dict(skeleton)]
+    if order != [name for name, _ in skeleton if name in functions]:
+        problems.append(f"the functions run {order}, not in the skeleton's order")
+    if "main" in functions:
+        main = functions["main"].args
+        defaults = dict(zip([a.arg for a in main.args][len(main.args) - len(main.defaults):], main.defaults))
+        if not (isinstance(defaults.get("build"), ast.Name) and defaults["build"].id == "build"):
+            problems.append("main's build does not default to build (the lessons' hook)")
+    guard = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) in (
+        "__name__ == '__main__'", "'__main__' == __name__")]
+    calls = [c for node in guard for c in ast.walk(node) if isinstance(c, ast.Call)]
+    if not any(ast.unparse(c.func) == "main" or any(ast.unparse(a) == "main" for a in c.args) for c in calls):
+        problems.append("the __main__ block does not run main")
+    return problems
+
+
+@pytest.mark.parametrize("stage", list(SKELETONS))
 def test_trainers_share_the_skeleton(stage):
-    text = read(stage)
-    for name in ("def setup(", "def build(", "def train_one_epoch(loop: Loop", "def evaluate(loop: Loop",
-                 "def fit(loop: Loop", "def main(cfg: TrainConfig, build=build)", 'if __name__ == "__main__":',
-                 "for X, y in", "for epoch in range("):
-        assert name in text, f"{stage}.py lacks {name!r}"
+    assert skeleton_problems(read(stage), SKELETONS[stage]) == []
 
 
-@pytest.mark.parametrize("stage", OTHER_TRAINERS)
-def test_other_trainers_keep_setup_build_main(stage):
-    text = read(stage)
-    for name in ("def setup(cfg: TrainConfig)", "def build(", "def main(cfg: TrainConfig) -> dict",
-                 'if __name__ == "__main__":', "from .core"):
-        assert name in text, f"{stage}.py lacks {name!r}"
+def test_the_skeleton_check_can_fail():
+    single = read("train_single")
+    assert skeleton_problems(single.replace("def main(cfg: TrainConfig, build=build)",
+                                            "def main(cfg: TrainConfig, build=None)"),
+                             IMAGE_SKELETON) == ["main's build does not default to build (the lessons' hook)"]
+    assert len(skeleton_problems(single.replace("def main(cfg: TrainConfig, build=build)",
+                                                "def main(cfg: TrainConfig)"), IMAGE_SKELETON)) == 2
+    assert skeleton_problems(single.replace("    run_main(main, parse_args", "    run_main(fit, parse_args"),
+                             IMAGE_SKELETON) == ["the __main__ block does not run main"]
+    assert skeleton_problems(single.replace("def fit(loop: Loop,", "def fit(cfg: TrainConfig,"), IMAGE_SKELETON) \
+        == ["fit(('cfg', 'TrainConfig'), ('train_loader', None), ('test_loader', None)) is not "
+            "fit(('loop', 'Loop'), ('train_loader', None), ('test_loader', None))"]
+    # a comment or a string that mentions the skeleton is not the skeleton
+    renamed = single.replace("def train_one_epoch(", "def one_epoch(")
+    renamed = renamed.replace("train_one_epoch(loop,", "one_epoch(loop,")
+    assert skeleton_problems(renamed + "# def train_one_epoch(loop: Loop, loader, epoch: int)\n", IMAGE_SKELETON) \
+        == ["no top-level def train_one_epoch"]
+    gpt = read("train_gpt")
+    fit = gpt[gpt.index("def fit("):gpt.index("def main(")]
+    assert skeleton_problems(gpt.replace(fit, "").replace("\n\nif __name__", "\n\n" + fit + "if __name__"),
+                             GPT_SKELETON) == ["the functions run ['setup', 'build', 'train_step', 'main', 'fit'], "
+                                               "not in the skeleton's order"]
 
 
 def requirement_pins() -> dict:
@@ -191,12 +403,47 @@ def test_deepspeed_is_pinned_once_and_installed_against_torch():
     assert f"deepspeed=={pins['deepspeed']}" in (ROOT / "environment.yml").read_text()
 
 
+def executed_commands(script: str) -> list[str]:
+    """The commands a shell script runs, one per simple command: comments dropped (shlex), lines split at ;, &&,
+    || and |; an `echo`/`printf` is not a command run (its text is only printed), and a leading VAR=value is the
+    command's environment, not the command."""
+    import shlex
+    commands = []
+    for line in script.splitlines():
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:  # an unbalanced quote: a line of a multi-line string, not a command
+            continue
+        command: list[str] = []
+        for word in words + [";"]:
+            if word in (";", "&&", "||", "|"):
+                while command and re.fullmatch(r"\w+=.*", command[0]):
+                    command.pop(0)
+                if command and command[0] not in ("echo", "printf"):
+                    commands.append(" ".join(command))
+                command = []
+            else:
+                command.append(word)
+    return commands
+
+
+def readme_test_command() -> str:
+    """The command the README tells a maintainer to test with: the one in its code blocks that starts `make test`."""
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+    found = [c for block in blocks for c in executed_commands(block) if c.split()[:2] == ["make", "test"]]
+    assert found, "the README shows no `make test` command"
+    return found[0]
+
+
 def test_ci_runs_the_readme_test_command():
-    readme = (ROOT / "README.md").read_text()
-    assert "make test" in readme and "make lab" in readme
-    commands = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
-                if line.strip() and not line.strip().startswith("#")]
-    assert "make test" in commands  # a command of its own, not a word in a comment or an echo
+    assert readme_test_command() == "make test"
+    assert readme_test_command() in executed_commands((ROOT / ".ci" / "run").read_text())
+
+
+def test_the_ci_check_can_fail():
+    assert executed_commands("set -e\nexport CI=true\n# make test\necho make test\nCI=1 make test && echo done\n") \
+        == ["set -e", "export CI=true", "make test"]
+    assert "make test" not in executed_commands("# runs make test\necho 'make test'\nX='make test'\nmake test-unit\n")
 
 
 # ------------------------------------------------------------------------------------- imports run one way

@@ -226,14 +226,16 @@ def test_sigterm_to_torchrun_stops_every_ddp_rank_at_the_same_step_and_resumes(t
     assert [e["epoch"] for e in m["epochs"]] == [0, 1, 2] and m["replicas_identical"]
 
 
-def test_a_sigterm_on_an_epochs_last_step_finishes_that_epoch_then_stops(monkeypatch):
+def test_a_sigterm_on_an_epochs_last_step_finishes_that_epoch_then_stops():
     """Epochs of a few steps (workshop-cpu: 2) may put every check on an epoch's last batch: the stop must still
     happen, after the epoch's own checkpoint, not be put off for ever."""
     from tutorial.core import checkpoint
-    from tutorial.core.process import Sigterm
-    monkeypatch.setattr(Sigterm, "received", True)
-    mid, last = checkpoint.State(epoch=1, step=4), checkpoint.State(epoch=1, step=4)
-    assert checkpoint.stop_requested(mid, i=1, batches=4, every=2) and (mid.stopping, mid.batch) == (True, 2)
-    assert checkpoint.stop_requested(last, i=3, batches=4, every=2) and (last.stopping, last.batch) == (True, 0)
-    assert not checkpoint.stop_requested(checkpoint.State(step=3), i=2, batches=4, every=2)  # not a checking step
-    assert "the end of epoch 0" in str(checkpoint.stop_exception(last, "out"))
+    from tutorial.core.loop import Loop
+    from tutorial.core.tracking import Agreement
+    assert checkpoint.stop_requested(Agreement(4, True))
+    mid, last = (Loop(*[None] * 7, state=checkpoint.State(epoch=1, step=4)) for _ in range(2))
+    mid.stop(i=1, batches=4)
+    last.stop(i=3, batches=4)
+    assert (mid.stopping, mid.state.batch) == (True, 2) and (last.stopping, last.state.batch) == (True, 0)
+    assert not checkpoint.stop_requested(None)  # a step the ranks did not compare flags at
+    assert "the end of epoch 0" in str(checkpoint.stop_exception(last.state, "out"))

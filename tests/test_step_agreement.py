@@ -1,7 +1,8 @@
 """The ranks agree on two things at every logged step, a loss that is not finite and a SIGTERM, and they do it in
-one all-reduce (RunLog.step's), not one each: checkpoint.stop_requested reads the SIGTERM flag that all-reduce
-carried. Counted here by the calls to max_over_ranks, the one function that all-reduces them (in one process it does
-not all-reduce, but every call would be one collective per step on every rank of a job)."""
+one all-reduce (RunLog.step's), not one each. The agreement is a value: RunLog.step returns it and the trainer passes
+it to checkpoint.stop_requested, which reads nothing else (no flag left on a class between two modules). Counted here
+by the calls to max_over_ranks, the one function that all-reduces them (in one process it does not all-reduce, but
+every call would be one collective per step on every rank of a job)."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from tutorial.core import checkpoint, distributed, tracking
 from tutorial.core.config import TrainConfig
+from tutorial.core.loop import Loop
 from tutorial.core.process import Sigterm
 
 
@@ -21,32 +23,52 @@ def calls(monkeypatch):
         return distributed.max_over_ranks(values)
 
     monkeypatch.setattr(tracking, "max_over_ranks", counting)
-    monkeypatch.setattr(checkpoint, "max_over_ranks", counting)
     monkeypatch.setattr(Sigterm, "received", False)
-    monkeypatch.setattr(Sigterm, "agreed", None)
     return made
 
 
 def test_one_collective_per_step_carries_both_flags(calls):
     cfg = TrainConfig.preset("smoke", log_every=2, quiet=True)
     log, state = tracking.RunLog(cfg, "single", torch.device("cpu")), checkpoint.State()
-    for i in range(4):  # steps 1..4: logged (and agreed) at 2 and 4 only
+    agreed = []
+    for _ in range(4):  # steps 1..4: logged (and agreed) at 2 and 4 only
         state.step += 1
-        log.step(state.step, torch.tensor(2.5), 0.1, 1.0)
-        assert not checkpoint.stop_requested(state, i, 10, cfg.log_every)
+        agreed.append(log.step(state.step, torch.tensor(2.5), 0.1, 1.0))
+        assert not checkpoint.stop_requested(agreed[-1])
+    assert agreed == [None, tracking.Agreement(2, False), None, tracking.Agreement(4, False)]
     assert len(calls) == 2 and all(len(values) == 2 for values in calls)
     Sigterm.received = True  # what the handler sets
-    state.step += 2
-    log.step(state.step, torch.tensor(2.5), 0.1, 1.0)
-    assert checkpoint.stop_requested(state, 5, 10, cfg.log_every) and state.batch == 6 and len(calls) == 3
+    assert log.step(5, torch.tensor(2.5), 0.1, 1.0) is None  # not a logged step: no agreement, so no stop yet
+    agreement = log.step(6, torch.tensor(2.5), 0.1, 1.0)
+    assert agreement == tracking.Agreement(6, True) and checkpoint.stop_requested(agreement) and len(calls) == 3
 
 
-def test_stop_requested_agrees_on_its_own_without_a_logged_step(calls):
-    """A loop that does not log at that step (the negative control): stop_requested's own all-reduce, not a stale
-    flag from an earlier step or an earlier run in the same process."""
-    Sigterm.agreed = (4, True)  # left by another run at another step
-    state = checkpoint.State(step=6)
-    assert not checkpoint.stop_requested(state, 0, 10, 2) and calls == [[False]]
+def test_stop_requested_reads_only_the_value_it_is_given(calls):
+    """The negative control: a SIGTERM that this process received but the ranks have not agreed on (a step that was
+    not logged) stops nothing, and stop_requested makes no collective of its own (one rank stopping alone would
+    leave the others waiting in their next all-reduce)."""
+    Sigterm.received = True
+    assert not checkpoint.stop_requested(None) and calls == []
+    assert not checkpoint.stop_requested(tracking.Agreement(4, False))
+    assert checkpoint.stop_requested(tracking.Agreement(4, True)) and calls == []
+
+
+def test_the_loop_records_where_it_stopped():
+    """Loop.stop: mid-epoch, state.batch says where a resumed run goes on; after an epoch's last batch, 0 (the epoch
+    is finished and saved as usual). State holds what is saved; the stop itself is the loop's."""
+    mid = Loop(*[None] * 7, state=checkpoint.State(epoch=1, step=4))
+    mid.stop(i=1, batches=4)
+    assert (mid.stopping, mid.state.batch) == (True, 2)
+    last = Loop(*[None] * 7, state=checkpoint.State(epoch=1, step=4))
+    last.stop(i=3, batches=4)
+    assert (last.stopping, last.state.batch) == (True, 0)
+    assert not hasattr(checkpoint.State(), "stopping") and not hasattr(Sigterm, "agreed")
+
+
+def test_take_resume_offset_hands_the_offset_over_once():
+    state = checkpoint.State(epoch=1, step=6, batch=3)
+    assert checkpoint.take_resume_offset(state) == 3 and state.batch == 0
+    assert checkpoint.take_resume_offset(state) == 0  # the next epoch trains from its first batch
 
 
 def test_a_diverged_loss_still_stops_the_run(calls):

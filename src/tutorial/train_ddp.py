@@ -1,7 +1,7 @@
-"""Stage 3: DistributedDataParallel, one process per GPU (notebooks 03a_ddp_by_hand and 03b_ddp_trainer).
+"""Stage 3: DistributedDataParallel, a process per GPU (notebooks 03a_ddp_by_hand, 03b_ddp_trainer).
 
-A stage's trainer is its parent's plus blocks tagged with the stage's name: diff the two files to read the stage.
-Run it with:
+A stage's trainer is its parent's plus blocks tagged with the stage's name: diff the two files to
+read the stage. Run it with:
 
     torchrun --standalone --nproc_per_node 2 -m tutorial.train_ddp --preset smoke --out runs/ddp
 """
@@ -12,26 +12,32 @@ import time
 import torch
 import torch.distributed as dist  # DDP: the collectives
 import torch.nn.functional as F
-from torch.utils.data.distributed import DistributedSampler  # DDP: each rank its share of the data
+from torch.utils.data.distributed import DistributedSampler  # DDP: a share of the data per rank
 
 from .core import checkpoint, tracking
 from .core.config import TrainConfig, parse_args
-from .core.data import build_datasets, make_loader, shard  # DDP: shard
-from .core.distributed import init_process_group, pick_device, replica_checksums, teardown, world_from_env  # DDP
+from .core.data import build_datasets, make_loader
+from .core.data import shard  # DDP: a rank's part of the test set
+from .core.distributed import replica_checksums
+from .core.distributed import init_process_group, pick_device, teardown, world_from_env  # DDP
 from .core.loop import Loop
 from .core.metrics import patience_exhausted, top5_correct
 from .core.models import build_model
-from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weight, scaled_lr, set_lr
+from .core.optim import build_optimizer, epoch_progress, lr_at, micro_batch_weight, set_lr
+from .core.optim import scaled_lr  # DDP: the lr for a larger global batch
 from .core.precision import Precision
 from .core.process import run_main
 
-STAGE = "ddp"  # DDP: its options (--sync-bn needs GPUs; --zero-stage, --fp16-allreduce are refused)
+STAGE = "ddp"  # DDP
+LOSS_SUM, SAMPLES = 0, 1  # train_one_epoch's totals: the loss summed over samples, the samples
 
 
 def setup(cfg: TrainConfig):
     """The device, the precision policy and the seed; bad options fail here, before any work."""
-    world = world_from_env()  # DDP: rank, local rank, world size from torchrun, MPI, Slurm or the engines
-    device = pick_device(world.local_rank, world.local_world_size)  # DDP: one GPU per process, by local rank
+    # DDP: rank, local rank and world size from torchrun, MPI, Slurm or the engines; then one GPU
+    # per process, picked by local rank
+    world = world_from_env()
+    device = pick_device(world.local_rank, world.local_world_size)
     precision = Precision(cfg.precision, device)
     cfg.check_stage(STAGE, device)  # an option only other trainers read is refused, not ignored
     tracking.prepare_output(cfg)
@@ -42,19 +48,22 @@ def setup(cfg: TrainConfig):
 def build(cfg: TrainConfig, device: torch.device):
     """Data, model and optimizer: (model, optimizer, train_loader, test_loader, peak_lr)."""
     train_set, test_set, info = build_datasets(cfg)
-    # A seeded shuffle, re-seeded every epoch: runs are reproducible and a resumed run sees the same order.
-    sampler = DistributedSampler(train_set, seed=cfg.seed)  # DDP: each rank 1/world_size, rank and size from the group
+    # A seeded shuffle, re-seeded every epoch: runs are reproducible, a resumed run sees one order.
+    # DDP: each rank 1/world_size of the order (rank and size from the process group)
+    sampler = DistributedSampler(train_set, seed=cfg.seed)
     train_loader = make_loader(train_set, cfg, device, sampler=sampler)
-    test_loader = make_loader(shard(test_set, dist.get_rank(), dist.get_world_size()), cfg, device)  # DDP: exact
+    # DDP: each rank its own part of the test set, so that every sample is counted once
+    test_loader = make_loader(shard(test_set, dist.get_rank(), dist.get_world_size()), cfg, device)
     model = build_model(cfg.model, info).to(device)
     if cfg.sync_bn:  # DDP: BatchNorm statistics over the global batch, not each rank's slice
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # DDP
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
         model = torch.compile(model)
-    model = torch.nn.parallel.DistributedDataParallel(model)  # DDP: rank 0's weights to all; backward all-reduces
-    lr = scaled_lr(cfg, dist.get_world_size())  # DDP: a world_size times larger global batch, a larger lr
+    # DDP: rank 0's weights to all ranks; backward all-reduces the gradients
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    lr = scaled_lr(cfg, dist.get_world_size())  # DDP: a world_size times larger batch, a larger lr
     torch.manual_seed(cfg.seed + dist.get_rank())  # DDP: each rank its own random crops and flips
     optimizer = build_optimizer(model, cfg, lr)
     return model, optimizer, train_loader, test_loader, lr
@@ -62,36 +71,42 @@ def build(cfg: TrainConfig, device: torch.device):
 
 def train_one_epoch(loop: Loop, loader, epoch: int):
     """One pass over loader: (mean training loss, samples per second, seconds)."""
-    cfg, model, precision, device, state = loop.cfg, loop.model, loop.precision, loop.device, loop.state
+    cfg, model, precision, device = loop.cfg, loop.model, loop.precision, loop.device
+    state = loop.state
     model.train()
-    sums, start = torch.zeros(2, device=device), time.perf_counter()  # the loss summed over samples, the samples
+    totals, start = torch.zeros(2, device=device), time.perf_counter()  # [LOSS_SUM, SAMPLES]
+    # batches a run stopped by SIGTERM mid-epoch trained already (the loader repeats its order)
+    skip = checkpoint.take_resume_offset(state)
     for i, (X, y) in enumerate(loop.log.bar(loader, epoch)):
-        if checkpoint.trained_before(state, i):  # resumed after a SIGTERM stop: done before it
+        if i < skip:
             continue
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cfg.channels_last:
             X = X.contiguous(memory_format=torch.channels_last)
         last_micro_batch = (i + 1) % cfg.grad_accum == 0 or i + 1 == len(loader)
-        model.require_backward_grad_sync = last_micro_batch  # DDP: no_sync() as a flag: all-reduce before steps only
+        # DDP: what `with model.no_sync():` toggles: gradients are all-reduced only on a step's last
+        # micro-batch
+        model.require_backward_grad_sync = last_micro_batch
         with precision.autocast():
             loss = F.cross_entropy(model(X), y)
         precision.backward(loss * micro_batch_weight(loader, i, len(y), cfg.grad_accum))
-        sums[0] += loss.detach() * len(y)
-        sums[1] += len(y)
+        totals[LOSS_SUM] += loss.detach() * len(y)
+        totals[SAMPLES] += len(y)
         if last_micro_batch:
             lr = lr_at(cfg, epoch + epoch_progress(loader, i, cfg.grad_accum), loop.peak_lr)
             set_lr(loop.optimizer, lr)
             precision.step(loop.optimizer, model.parameters(), cfg.clip_grad)
             loop.optimizer.zero_grad()
             state.step += 1
-            loop.log.step(state.step, loss, lr, precision)
-            if checkpoint.stop_requested(state, i, len(loader), cfg.log_every):  # SIGTERM on any rank
+            agreed = loop.log.step(state.step, loss, lr, precision)  # what every rank agreed on
+            if checkpoint.stop_requested(agreed):  # a SIGTERM on any rank: all stop after this step
+                loop.stop(i, len(loader))
                 break
             if cfg.max_steps and state.step >= cfg.max_steps:
                 break
     seconds = time.perf_counter() - start
-    dist.all_reduce(sums)  # DDP: over all ranks: their mean loss, and the job's samples per second
-    loss_sum, samples = sums.tolist()
+    dist.all_reduce(totals)  # DDP: over all ranks: their mean loss, the job's samples per second
+    loss_sum, samples = totals.tolist()
     return loss_sum / samples, samples / seconds, seconds
 
 
@@ -107,58 +122,66 @@ def evaluate(loop: Loop, model, loader):
             X = X.contiguous(memory_format=torch.channels_last)
         with precision.autocast():
             logits = model(X)
-        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"), (logits.argmax(1) == y).sum(),
-                             top5_correct(logits, y), torch.tensor(len(y), device=device)])
+        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum"),
+                             (logits.argmax(1) == y).sum(), top5_correct(logits, y),
+                             torch.tensor(len(y), device=device)])
     dist.all_reduce(sums)  # DDP: sum the shards' loss, correct and count over all ranks
     loss_sum, correct, correct5, count = sums.tolist()
     return loss_sum / count, correct / count, correct5 / count
 
 
 def fit(loop: Loop, train_loader, test_loader) -> dict:
-    """The epochs: train, evaluate, log, save; stop after cfg.epochs, max_steps, the target accuracy or patience."""
+    """The epochs: train, evaluate, log, save; stop after cfg.epochs, max_steps, the target
+    accuracy or patience."""
     cfg, model, log, state = loop.cfg, loop.model, loop.log, loop.state
     log.metrics["epochs"] = state.history
     for epoch in range(state.epoch, cfg.epochs):
-        train_loader.sampler.set_epoch(epoch)  # DDP: a new shuffle every epoch, the same on every rank
+        train_loader.sampler.set_epoch(epoch)  # DDP: a new shuffle each epoch, the same on all
         train_loss, samples_per_second, seconds = train_one_epoch(loop, train_loader, epoch)
-        if not state.batch:  # the epoch ran to its end (a SIGTERM mid-epoch leaves state.batch > 0: no evaluation)
-            test_loss, test_accuracy, test_top5 = evaluate(loop, model.module, test_loader)  # DDP: local replica
-            log.epoch(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss, test_accuracy=test_accuracy,
-                           samples_per_second=samples_per_second, epoch_seconds=seconds,
-                           lr=loop.optimizer.param_groups[0]["lr"], skipped_steps=loop.precision.skipped_steps),
-                      state.step)
+        # the epoch ran to its end (a SIGTERM mid-epoch leaves state.batch > 0: no evaluation)
+        if not state.batch:
+            # DDP: the local replica, on this rank's part of the test set
+            test_loss, test_accuracy, test_top5 = evaluate(loop, model.module, test_loader)
+            log.epoch(dict(epoch=epoch, train_loss=train_loss, test_loss=test_loss,
+                           test_accuracy=test_accuracy, samples_per_second=samples_per_second,
+                           epoch_seconds=seconds, lr=loop.optimizer.param_groups[0]["lr"],
+                           skipped_steps=loop.precision.skipped_steps), state.step)
             log.metrics["test_top5_accuracy"] = test_top5  # the label among the 5 highest scores
             state.epoch = epoch + 1
         if dist.get_rank() == 0:  # DDP: one writer; the replicas are identical anyway
             checkpoint.save(cfg, model, loop.optimizer, loop.precision.scaler, state)
-        if state.stopping:  # a SIGTERM, agreed on by every rank: saved above (mid-epoch or at its end), exit 143
+        if loop.stopping:  # a SIGTERM, agreed on by all ranks: saved above, mid-epoch or at its end
             raise checkpoint.stop_exception(state, cfg.out)
         if cfg.max_steps and state.step >= cfg.max_steps:
             break
         if cfg.target_accuracy and test_accuracy >= cfg.target_accuracy:
             log.print(f"target accuracy {cfg.target_accuracy} reached after epoch {epoch}")
             break
-        if patience_exhausted(cfg, log.metrics["epochs"]):  # stop when the test loss stops improving
+        if patience_exhausted(cfg, log.metrics["epochs"]):  # the test loss stopped improving
             log.print(f"no lower test loss for {cfg.patience} epochs: stopped after epoch {epoch}")
             break
     digests = replica_checksums(model)
-    return log.finish(steps=state.step, replica_checksums=digests, replicas_identical=len(set(digests)) == 1)
+    return log.finish(steps=state.step, replica_checksums=digests,
+                      replicas_identical=len(set(digests)) == 1)
 
 
 def main(cfg: TrainConfig, build=build) -> dict:
-    """Train cfg; returns the run's metrics (also in cfg.out/metrics.json). main sets up, builds and hands the
-    loop to fit. build is a hook for lessons: a function with build's arguments and results (usually build itself,
-    then a change to the model it returned), so a lesson trains a model it changed exactly as this trainer trains."""
+    """Train cfg; returns the run's metrics (also in cfg.out/metrics.json). main sets up, builds
+    and hands the loop to fit. build is a hook for lessons: a function with build's arguments and
+    results (usually build itself, then a change to the model it returned), so a lesson trains a
+    model it changed exactly as this trainer trains."""
     device, precision = setup(cfg)
-    created = init_process_group(world_from_env(), device, cfg.timeout, cfg.backend)  # DDP: join the other ranks
-    log = tracking.RunLog(cfg, STAGE, device, dist.get_rank(), dist.get_world_size())  # DDP: rank 0 prints, writes
+    # DDP: join the other ranks; rank 0 prints and writes
+    created = init_process_group(world_from_env(), device, cfg.timeout, cfg.backend)
+    log = tracking.RunLog(cfg, STAGE, device, dist.get_rank(), dist.get_world_size())
     try:
         model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
         state = checkpoint.resume(cfg, model, optimizer, precision.scaler, device)
-        return fit(Loop(cfg, model, optimizer, precision, device, peak_lr, log, state), train_loader, test_loader)
+        loop = Loop(cfg, model, optimizer, precision, device, peak_lr, log, state)
+        return fit(loop, train_loader, test_loader)
     finally:
-        log.close()  # on every exit path: a failed run leaves no TensorBoard writer behind in an engine
-        teardown(created)  # DDP: leave the process group if we made it (not a %%px cell's), on every exit path
+        log.close()  # on every exit path: a failed run leaves no TensorBoard writer in an engine
+        teardown(created)  # DDP: leave the process group if main made it (not a %%px cell's)
 
 
 if __name__ == "__main__":

@@ -13,33 +13,27 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ConfigError, TrainConfig, first_line
-from .distributed import current_rank, gather_over_ranks, max_over_ranks
+from .distributed import current_rank, gather_over_ranks
 from .models import unwrap
-from .process import Sigterm, Stopped
+from .process import Stopped
+from .tracking import Agreement
 
 
 @dataclass
 class State:
+    """What a checkpoint saves of the run's progress (what only the running loop needs lives on core.loop.Loop)."""
     epoch: int = 0          # epochs completed
     step: int = 0           # optimizer steps taken
     history: list = field(default_factory=list)  # per-epoch metrics so far
     batch: int = 0          # batches of epoch `epoch` trained before a SIGTERM stopped the run (0: between epochs)
-    stopping = False        # (not a field, never saved) a SIGTERM was agreed on: stop once this state is saved
 
 
-def stop_requested(state: State, i: int, batches: int, every: int) -> bool:
-    """After the optimizer step of batch i: True on every rank at the same step once any rank got SIGTERM (a
-    walltime kill). The ranks compare every `every` steps (one tiny all-reduce), so they act within that many steps
-    and never stop at different steps, which would leave one waiting in a collective. Mid-epoch, state.batch says
-    where to go on; at an epoch's last batch the epoch is finished and saved as usual, then the trainer stops."""
-    if state.step % every:
-        return False
-    agreed, Sigterm.agreed = Sigterm.agreed, None  # RunLog.step's all-reduce at this step carried the flag already
-    if not (agreed[1] if agreed and agreed[0] == state.step else max_over_ranks([Sigterm.check()])[0]):
-        return False
-    state.stopping = True
-    state.batch = i + 1 if i + 1 < batches else 0
-    return True
+def stop_requested(agreed: Agreement | None) -> bool:
+    """After an optimizer step: True on every rank at the same step once any rank got SIGTERM (a walltime kill).
+    `agreed` is what RunLog.step returned for this step: the ranks compare their flags at logged steps only (in
+    the one all-reduce that also checks the loss), so they act within log_every steps and never stop at different
+    steps, which would leave one waiting in a collective. None (a step that was not logged) is never a stop."""
+    return agreed is not None and agreed.sigterm
 
 
 def stop_exception(state: State, out: str) -> Stopped:
@@ -49,13 +43,12 @@ def stop_exception(state: State, out: str) -> Stopped:
                    "run the same command with --resume to go on from there")
 
 
-def trained_before(state: State, i: int) -> bool:
-    """True for the batches of the epoch that a run stopped by SIGTERM trained before it stopped: the resumed run
-    skips them (the loader yields the same order again: the shuffle depends on the seed and the epoch only)."""
-    if i < state.batch:
-        return True
-    state.batch = 0  # from here on this epoch is trained as usual
-    return False
+def take_resume_offset(state: State) -> int:
+    """The batches of this epoch that a run stopped by SIGTERM trained before it stopped, for the resumed run to
+    skip (the loader yields the same order again: the shuffle depends on the seed and the epoch only); state.batch
+    is 0 afterwards, since from there on the epoch is trained as usual. 0 when not resuming mid-epoch."""
+    skip, state.batch = state.batch, 0
+    return skip
 
 
 def save(cfg: TrainConfig, model, optimizer, scaler, state: State) -> None:

@@ -24,3 +24,11 @@ class Loop:
     peak_lr: float         # the lr after warm-up (cfg.lr, scaled for the global batch where a trainer scales it)
     log: RunLog
     state: State           # epoch and step so far; resumed from a checkpoint where there is one
+    stopping: bool = False  # a SIGTERM was agreed on: fit stops once the state is saved (never saved itself)
+
+    def stop(self, i: int, batches: int) -> None:
+        """Stop after batch i of the epoch's `batches` (on SIGTERM): fit saves the state and raises Stopped. Mid-epoch,
+        state.batch says where the resumed run goes on; after an epoch's last batch the epoch is finished and saved as
+        usual, then the trainer stops."""
+        self.stopping = True
+        self.state.batch = i + 1 if i + 1 < batches else 0

@@ -81,12 +81,10 @@ class Sigterm:
     """A scheduler ends a job at its walltime with SIGTERM and, some seconds later, SIGKILL (Slurm's KillWait, 30 s
     by default; torchrun passes both on to its workers). run_main arms this; the training loop's first look at it
     installs the handler, so a SIGTERM during start-up still ends the process at once, and from then on a SIGTERM
-    only sets `received`: the loop stops after a whole step and the trainer saves (checkpoint.stop_requested)."""
+    only sets `received`: the ranks agree on it at the next logged step (RunLog.step returns their agreement), and
+    the loop stops after that step and the trainer saves (checkpoint.stop_requested)."""
     armed = False
     received = False
-    # (step, whether any rank got SIGTERM) as the ranks agreed at that step: RunLog.step's all-reduce carries this
-    # flag beside its diverged-loss flag, so checkpoint.stop_requested needs no collective of its own (one per step)
-    agreed: tuple[int, bool] | None = None
 
     @classmethod
     def check(cls) -> bool:

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -51,6 +52,13 @@ class DivergedError(FloatingPointError):
     """The loss became NaN or infinite: one line naming the rank and step (exit code 1)."""
 
 
+class Agreement(NamedTuple):
+    """What every rank agreed on at a logged step, in RunLog.step's one all-reduce: the same value on every rank, so
+    the trainer that receives it acts at the same step on all of them (a diverged loss raises DivergedError there)."""
+    step: int
+    sigterm: bool  # some rank got SIGTERM: every rank stops after this step (checkpoint.stop_requested)
+
+
 class RunLog:
     """Collects per-epoch metrics; on the main process also prints, draws the bar and writes files."""
 
@@ -87,23 +95,23 @@ class RunLog:
         from tqdm.auto import tqdm
         return tqdm(batches, desc=f"epoch {epoch}", total=len(loader), leave=False)
 
-    def step(self, step: int, loss: torch.Tensor, lr: float, scaler) -> None:
-        """Step scalars every log_every steps (loss.item() waits for the GPU, so not every step, and so does the loss
-        scale: `scaler` is anything with a loss_scale, the trainer's Precision or DeepSpeed's optimizer, read here
-        at log steps only); a loss that has
+    def step(self, step: int, loss: torch.Tensor, lr: float, scaler) -> Agreement | None:
+        """Step scalars every log_every steps, and what the ranks agree on there: an Agreement at a logged step,
+        None at the others. loss.item() waits for the GPU, so it is read at log steps only, and so is the loss scale
+        (`scaler` is anything with a loss_scale: the trainer's Precision or DeepSpeed's optimizer). A loss that has
         become NaN or infinite on any rank stops the run there, on every rank at once (one rank stopping alone
         would leave the others waiting in their next all-reduce), instead of training on garbage."""
         if self.cfg.time_steps:
             self.timer.step()
         if step % self.cfg.log_every:
-            return
+            return None
         value = loss.item()
         # fp16 is exempt: GradScaler skips the steps whose gradients overflow, and the run recovers by itself.
         bad = not math.isfinite(value) and self.cfg.precision != "fp16"
         # One all-reduce for both things the ranks must agree on at this step: the lowest rank whose loss is not
-        # finite, and whether any rank got SIGTERM (checkpoint.stop_requested reads it next, as Sigterm.agreed).
+        # finite, and whether any rank got SIGTERM (returned, for the trainer to pass to checkpoint.stop_requested).
         lowest_bad, sigterm = max_over_ranks([-current_rank() if bad else -NO_RANK, Sigterm.check()])
-        Sigterm.agreed, first_bad = (step, bool(sigterm)), -lowest_bad
+        first_bad = -lowest_bad
         if first_bad != NO_RANK:
             seen = value if bad and first_bad == current_rank() else "not finite"
             raise DivergedError(f"rank {int(first_bad)}: the training loss is {seen} at step {step} (lr {lr:.3g}; "
@@ -113,6 +121,7 @@ class RunLog:
             self.writer.add_scalar("train/loss", value, step)
             self.writer.add_scalar("train/lr", lr, step)
             self.writer.add_scalar("train/loss_scale", getattr(scaler, "loss_scale", 1.0), step)
+        return Agreement(step, bool(sigterm))
 
     def epoch(self, record: dict, step: int) -> None:
         self.metrics["epochs"].append(record)

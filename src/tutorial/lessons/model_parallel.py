@@ -26,14 +26,14 @@ TRAINERS = {"tp": train_tp, "pp": train_pp, "2d": train_2d}
 # ------------------------------------------------------------------------------------- equal to one process
 def one_process(cfg: ParallelConfig) -> dict:
     """The reference: train_gpt, the whole GPT in this process on the CPU, the whole global batch, cfg.steps AdamW
-    steps. Returns the logits of the first batch before any step, the loss of every step, the weights after the last
+    steps (train_gpt's build and fit, not its main, whose setup would take this node's first GPU). Returns the logits of the first batch before any step, the loss of every step, the weights after the last
     and their bytes."""
     device = torch.device("cpu")
     model, optimizer, corpus = train_gpt.build(cfg, device)
     X, _ = next(batches(corpus, cfg.batch_size, cfg.context, 1, seed=cfg.seed))
     with torch.no_grad():
         logits = model(X)
-    metrics = train_gpt.train(cfg, device, model, optimizer, corpus)
+    metrics = train_gpt.fit(cfg, device, model, optimizer, corpus)
     return dict(logits=logits, losses=metrics["losses"], state=train_gpt.full_state(model),
                 parameter_bytes=metrics["parameter_bytes"])
 
