@@ -23,7 +23,7 @@ from .engine_options import ClusterError
 # gloo to notice a closed connection, short enough that a rank stuck in a collective does not keep the notebook.
 FAILURE_GRACE_S = 5.0
 # After an Interrupt, how long the ranks get to reach the step where they all agree to stop (the trainers compare
-# every log_every steps, checkpoint.stop_requested) and save; after that they get a KeyboardInterrupt where they are.
+# every log_every steps in RunLog.step's all-reduce) and save; after that they get a KeyboardInterrupt where they are.
 STOP_GRACE_S = 10.0
 ANSI_COLOURS = re.compile(r"\x1b\[[0-9;]*m")
 READY = "the engines are ready for the next cell"
@@ -291,7 +291,7 @@ class Interrupted:
 def _run_interruptibly(fn, args: tuple, kwargs: dict):
     """On every engine, what run() runs: fn(*args, **kwargs), where the notebook's Interrupt (SIGINT, relayed by the
     engine's nanny) is a stop request, exactly a SIGTERM's: the flag the trainers look at every log_every steps
-    (core.process.Sigterm, read by checkpoint.stop_requested), so every rank stops at the same step and rank 0 saves
+    (core.process.Sigterm, all-reduced by RunLog.step into the step's agreement), so every rank stops at the same step and rank 0 saves
     whole. A second SIGINT (the run did not stop in time, or fn never looks at the flag) is a KeyboardInterrupt."""
     def stop_request(signum, frame):
         if Sigterm.received:
