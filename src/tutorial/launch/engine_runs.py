@@ -292,7 +292,8 @@ def _run_interruptibly(fn, args: tuple, kwargs: dict):
     """On every engine, what run() runs: fn(*args, **kwargs), where the notebook's Interrupt (SIGINT, relayed by the
     engine's nanny) is a stop request, exactly a SIGTERM's: the flag the trainers look at every log_every steps
     (core.process.Sigterm, all-reduced by RunLog.step into the step's agreement), so every rank stops at the same
-    step and rank 0 saves whole. A second SIGINT (the run did not stop in time, or fn never looks at the flag) is a KeyboardInterrupt."""
+    step and rank 0 saves whole. A second SIGINT (the run did not stop in time, or fn never looks at the flag) is a
+    KeyboardInterrupt."""
     def stop_request(signum, frame):
         if Sigterm.received:
             raise KeyboardInterrupt
