@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make gpu-check STAGE=N`: verify the GPU path, one stage of at most 8 minutes (python -m tutorial.gpucheck
+# `make gpu-check STAGE=N`: verify the GPU path, one stage of at most 8 minutes (python -m gpucheck
 # --list --stage N shows its checks and their estimates). With the project's venv (after `make install`) it uses
 # that. On an offline GPU node with only its own Python and torch it uses that Python ($PYTHON, default python3) and
 # installs the wheels `make gpu-bundle` made ($WHEELS, default .whl/) over it into a scratch folder, without a
@@ -51,4 +51,5 @@ PY
   fi
   export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 fi
-exec "$py" -m tutorial.gpucheck "$@"
+export PYTHONPATH="$PWD/tools${PYTHONPATH:+:$PYTHONPATH}"  # the driver is a tool of the repository, tools/gpucheck
+exec "$py" -m gpucheck "$@"

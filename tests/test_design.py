@@ -455,8 +455,6 @@ ALLOWED = {
     "launch": {"core", "train", "launch"},
     "checkddp": {"core", "launch", "checkddp"},  # launch for child_processes: the run starts and stops torchrun
     "bench": {"core", "train", "launch", "bench"},
-    # make gpu-check's driver: a tool of the repository that runs the trainers as people do; nothing imports it
-    "gpucheck": {"core", "train", "launch", "bench", "gpucheck"},
     "cli": {"core", "train", "launch", "checkddp", "bench", "cli"},
     "lessons": {"core", "train", "launch", "checkddp", "bench", "lessons"},
 }
@@ -556,18 +554,29 @@ def test_the_import_check_catches_a_back_edge_and_a_circle():
     assert any("tutorial.core.config" in c and "tutorial.core.process" in c for c in cycles(graph))
 
 
-def test_nothing_in_the_package_imports_gpu_check():
-    """gpu-check is a room of its own that imports the package (bench's record, launch's GPUs) and is imported by
-    nothing: the controls are the lessons and the command line importing it, and gpu-check importing the lessons."""
-    graph = import_graph(package_sources())
-    assert [m for m, targets in graph.items() if room(m) != "gpucheck" and any(room(t) == "gpucheck" for t in targets)
-            ] == [] and any(room(t) == "bench" for t in graph["tutorial.gpucheck.runner"])
-    files = package_sources()
-    files["tutorial.lessons.notebook"] += "\nfrom ..gpucheck import plan\n"
-    files["tutorial.cli"] += "\nfrom .gpucheck.runner import probe\n"
-    files["tutorial.gpucheck.plan"] += "\nfrom ..lessons.notebook import EXPECTED_ACCURACY\n"
-    assert {"tutorial.cli imports tutorial.gpucheck.runner", "tutorial.gpucheck.plan imports tutorial.lessons.notebook",
-            "tutorial.lessons.notebook imports tutorial.gpucheck.plan"} <= set(layer_violations(import_graph(files)))
+def gpu_check_imports(files: dict[str, str]) -> list[str]:
+    """The rooms of the package that tools/gpucheck's modules (name -> source) import, as "module imports room"."""
+    import ast
+    found = []
+    for module, text in files.items():
+        for node in ast.walk(ast.parse(text)):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{module} imports {room(n)}" for n in names if n.startswith("tutorial.")]
+    return found
+
+
+def test_gpu_check_is_a_tool_that_runs_the_package_as_people_do():
+    """make gpu-check's driver is a tool of the repository (tools/gpucheck, like tools/vcluster): nothing the package
+    installs imports it, and it uses the package only where people do (core, trainers, launch, bench), never a
+    notebook's helpers. The control: gpu-check importing the lessons is flagged."""
+    tool = {f"gpucheck.{p.stem}": p.read_text() for p in (ROOT / "tools" / "gpucheck").glob("*.py")}
+    allowed = {"core", "train", "launch", "bench"}
+    assert [f for f in gpu_check_imports(tool) if f.rsplit(" ", 1)[1] not in allowed] == []
+    assert any(f.endswith("bench") for f in gpu_check_imports(tool)), "the import check read nothing"
+    tool["gpucheck.plan"] += "\nfrom tutorial.lessons.notebook import EXPECTED_ACCURACY\n"
+    assert "gpucheck.plan imports lessons" in gpu_check_imports(tool)
+    assert not [m for m, text in package_sources().items() if re.search(r"^\s*(from|import) gpucheck", text, re.M)]
 
 
 def test_the_simulated_gpu_lane_runs_every_notebook_and_its_promises_point_at_their_cells():

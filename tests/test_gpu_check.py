@@ -20,15 +20,16 @@ import torch
 from conftest import PYTHON, ROOT, env
 
 from tutorial.core.config import STAGES as TRAINERS
-from tutorial.gpucheck import plan, runner, verify
+sys.path.insert(0, str(ROOT / "tools"))  # gpu-check is a tool of the repository, as vcluster is
+from gpucheck import plan, runner, verify  # noqa: E402
 
 BUNDLE_LIST = ROOT / "scripts" / "gpu_bundle.txt"
 MiB = 1024 * 1024
 
 
 def _cli(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "tutorial.gpucheck", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=timeout, env=env())
+    return subprocess.run([PYTHON, "-m", "gpucheck", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout, env=env(PYTHONPATH=str(ROOT / "tools")))
 
 
 # ------------------------------------------------------------------------------------------------ the stages

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..core.process import open_mpi_env, threads_per_process
+from tutorial.core.process import open_mpi_env, threads_per_process
 from .plan import CHECKOUT, PY, Check, program
 from .verify import finite, over_estimate, verify
 
@@ -28,7 +28,7 @@ def run_stage(todo: list[Check], *, stage: int, budget: float, results: Path, gp
               command: list) -> int:
     """Run the checks in order within `budget` seconds, each recorded in results/gpu_check.jsonl as it ends (with
     `command`, the driver's); 1 if one failed. out: the runs' scratch folder, removed at the end."""
-    from ..bench.record import append_result
+    from tutorial.bench.record import append_result
     import torch
     print(f"gpu-check stage {stage}: torch {torch.__version__} (CUDA {torch.version.cuda}, {gpus} GPU(s)) from "
           f"{Path(torch.__file__).parents[1]}, Python {sys.version.split()[0]} ({PY})", flush=True)
@@ -58,7 +58,9 @@ def stage_env(gpus: int, rehearse: bool) -> dict:
     """The checks' environment: unbuffered output, the workshop preset for the notebooks (the smoke preset in the
     rehearsal), made-up images where CIFAR-10 is not on disk (an offline node), a fair share of threads."""
     data_config = [] if (CHECKOUT / "data" / "cifar-10-batches-py").is_dir() else ["--generated", "5000"]
-    env = open_mpi_env(dict(os.environ, PYTHONUNBUFFERED="1", CI="true", TUTORIAL_PRESET="workshop",
+    # tools/ on the path: the probe and the notebook executor are this tool's own `python -m gpucheck`
+    path = os.pathsep.join(filter(None, [str(CHECKOUT / "tools"), os.environ.get("PYTHONPATH")]))
+    env = open_mpi_env(dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", CI="true", TUTORIAL_PRESET="workshop",
                             TUTORIAL_CONFIG=" ".join(data_config),
                             OMP_NUM_THREADS=str(threads_per_process(min(max(gpus, 1), 8)))))
     if rehearse:

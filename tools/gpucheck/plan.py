@@ -10,11 +10,11 @@ import json
 import sys
 from pathlib import Path
 
-CHECKOUT = Path(__file__).resolve().parents[3]
+CHECKOUT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 STAGE_SECONDS = 480   # a job step on the node: 8 minutes
 SETUP_SECONDS = 20    # scripts/gpu_check.sh before the driver starts: the bundle's install, the torch report
-STAGES = (1, 2, 3, 4, 5)
+STAGES = (1, 2, 3, 4, 5, 6)
 # The accuracy a preset reaches when it trains to the end (tutorial.lessons.notebook.EXPECTED_ACCURACY, which the
 # notebooks assert; gpucheck may not import lessons, and tests/test_gpu_check.py keeps the two equal).
 ACCURACY_BOUND = {"smoke": 0.95, "workshop": 0.85}
@@ -23,7 +23,7 @@ ACCURACY_BOUND = {"smoke": 0.95, "workshop": 0.85}
 WORKSHOP = ["--preset", "workshop", "--generated", "3840", "--epochs", "3"]
 REHEARSAL = ["--preset", "smoke"]  # the CPU rehearsal (make test): the smoke preset trains to its accuracy bound
 TRAINER_CLAIMS = ("exit", "metrics", "device", "replicas", "loss", "falling", "throughput", "accuracy")
-EXECUTE = [PY, "-m", "tutorial.gpucheck", "--execute-notebook"]  # the notebook executor: runner.execute_notebook
+EXECUTE = [PY, "-m", "gpucheck", "--execute-notebook"]  # the notebook executor: runner.execute_notebook
 
 
 @dataclasses.dataclass
@@ -72,7 +72,7 @@ def plan(gpus: int, out: Path, rehearse: bool = False, visible: list[str] | None
                 preset=REHEARSAL if rehearse else WORKSHOP, bound=ACCURACY_BOUND["smoke"] if rehearse else None,
                 label=f"{n}gpu" if n >= 2 else "1gpu", ranks=f"nccl-{n}" if n >= 2 else "1gpu")
     found = [probe_check(node)]
-    for stage in (stage_1, stage_2, stage_3, stage_4, stage_5):
+    for stage in (stage_1, stage_2, stage_3, stage_4, stage_5, stage_6):
         found += stage(node)
     if rehearse:
         found += controls(out)
@@ -133,7 +133,7 @@ def sharded(node: Node, stage_no: int, precision: str) -> list[Check]:
 def probe_check(node: Node) -> Check:
     """Stage 0, before every stage: the node as the driver finds it (runner.probe)."""
     return Check(name="probe", stage=0, estimate=15, timeout=60, claims=("exit", "probe"), device=node.device,
-                 command=[PY, "-m", "tutorial.gpucheck", "--probe", *(["--rehearse"] if node.rehearse else [])])
+                 command=[PY, "-m", "gpucheck", "--probe", *(["--rehearse"] if node.rehearse else [])])
 
 
 # ---------------------------------------------------------------------------------------------- the stages
@@ -229,6 +229,13 @@ def stage_5(node: Node) -> list[Check]:
     return [horovod, notebook(node, 5, "05_horovod", 60, needs=("module:horovod",)),
             notebook(node, 5, "09_sharded_training", 290, needs=("module:deepspeed",)),
             notebook(node, 5, "02_data_parallel", 45)]
+
+
+def stage_6(node: Node) -> list[Check]:
+    """The performance clinic, notebook 12: memory per rank against the planner (torch.cuda.max_memory_allocated on
+    GPU ranks), collectives counted by CommDebugMode over NCCL, one trace per rank, the bug hunt, the layout dry
+    run. 60 s by guess (about 30 s on two CPU engines)."""
+    return [notebook(node, 6, "12_performance_clinic", 60)]
 
 
 def controls(out: Path) -> list[Check]:

@@ -1,4 +1,4 @@
-"""The command line of `make gpu-check` (scripts/gpu_check.sh): python -m tutorial.gpucheck --help."""
+"""The command line of `make gpu-check` (scripts/gpu_check.sh): python -m gpucheck --help."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..core.config import ConfigError
+from tutorial.core.config import ConfigError
 from . import __doc__ as ABOUT
 from .plan import CHECKOUT, SETUP_SECONDS, STAGE_SECONDS, STAGES, Check, measured_seconds, plan
 from .runner import execute_notebook, probe, run_stage
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
         return refuse(f"--gpus {args.gpus}: a number of GPUs of at least 1, with --list only (a run uses the GPUs it "
                       f"sees; CUDA_VISIBLE_DEVICES chooses them)")
     import torch
-    from ..launch.engines import visible_gpus
+    from tutorial.launch.engines import visible_gpus
     gpus = args.gpus or (torch.cuda.device_count() if torch.cuda.is_available() else 0)
     visible = [str(i) for i in range(args.gpus)] if args.gpus else (visible_gpus() or [str(i) for i in range(8)])
     if not gpus and not (args.list or args.rehearse):

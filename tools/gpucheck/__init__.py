@@ -12,7 +12,7 @@ JSON line appended to DIR/gpu_check.jsonl as it ends, with the hardware, version
 missing program or package is a recorded skip with the reason; a check the stage's time budget cannot fit is a
 recorded skip too. The executed notebook (or the log) of a failed check is kept in DIR.
 
-    python -m tutorial.gpucheck --stage 1 --results-dir DIR [--list] [--gpus N] [--only NAME,...]
+    python -m gpucheck --stage 1 --results-dir DIR [--list] [--gpus N] [--only NAME,...]
 
 plan.py: the checks as data; verify.py: whether a run shows its claims (pure); runner.py: running a stage, the probe
 and the notebook executor; __main__.py: the command line. A tool of the repository's: nothing in the package imports
