@@ -147,3 +147,14 @@ def nothing_left_behind():
     left = child_processes.leftovers()
     child_processes.stop(left)
     assert not left, f"processes left behind: {left}"
+
+
+# In a JupyterLab page driven by Playwright (tests/test_lab_ui.py, tests/test_hub.py).
+def type_cell(page, code: str) -> None:
+    """A new cell at the end (command mode B on the last cell), the code typed in, Shift+Enter."""
+    page.locator(".jp-NotebookPanel .jp-Cell").last.locator(".jp-InputPrompt").click()
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")
+    page.keyboard.press("Enter")
+    page.keyboard.type(code)
+    page.keyboard.press("Shift+Enter")

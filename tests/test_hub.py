@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, type_cell
 
 from tutorial.launch import child_processes
 from tutorial.lessons import multi_node
@@ -277,16 +277,6 @@ def log_out(page, hub) -> None:
 def menu(page, top: str, item: str) -> None:
     page.locator(".lm-MenuBar-itemLabel", has_text=top).first.click()
     page.locator(".lm-Menu-itemLabel", has_text=item).first.click()
-
-
-def type_cell(page, code: str) -> None:
-    """A new cell at the end (command mode B on the last cell), the code typed in, Shift+Enter."""
-    page.locator(".jp-NotebookPanel .jp-Cell").last.locator(".jp-InputPrompt").click()
-    page.keyboard.press("Escape")
-    page.keyboard.press("b")
-    page.keyboard.press("Enter")
-    page.keyboard.type(code)
-    page.keyboard.press("Shift+Enter")
 
 
 def shot(page, path: Path) -> None:

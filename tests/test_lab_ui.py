@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import type_cell
 
 from tutorial.core.process import free_port
 from tutorial.launch import child_processes
@@ -189,13 +190,3 @@ def drive(page, lab: Lab) -> None:
 
 def engines_of(tag: str) -> list[dict]:
     return [p for p in child_processes.leftovers(tag, child_processes.PROCESS_NAMES) if not p["zombie"]]
-
-
-def type_cell(page, code: str) -> None:
-    """A new cell at the end (command mode B on the last cell), the code typed in, Shift+Enter."""
-    page.locator(".jp-NotebookPanel .jp-Cell").last.locator(".jp-InputPrompt").click()
-    page.keyboard.press("Escape")
-    page.keyboard.press("b")
-    page.keyboard.press("Enter")
-    page.keyboard.type(code)
-    page.keyboard.press("Shift+Enter")
