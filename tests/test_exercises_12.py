@@ -29,12 +29,6 @@ def test_exercise_1_states():
     assert lesson.check_states(lesson.solution_states_per_rank).startswith("correct")
     verdict = lesson.check_states(defined(lesson.SKELETONS["states"]))
     assert verdict.startswith("wrong: optimizer for zero=0") and "two fp32 moments" in verdict, verdict
-    other = defined(
-        "def states_per_rank(n_params, zero, dp):\n"
-        "    shard = lambda stage: dp if zero >= stage else 1\n"
-        "    return {'parameters': 4 * n_params / shard(3), 'gradients': 4 * n_params / shard(2),\n"
-        "            'optimizer': 8 * n_params / shard(1)}\n")
-    assert lesson.check_states(other).startswith("correct")
     grads_at_1 = defined(lesson.SKELETONS["states"].replace("optimizer = 0", "optimizer = 8 * n_params // dp")
                          .replace("gradients = n_params * 4", "gradients = n_params * 4 // (dp if zero >= 1 else 1)"))
     verdict = lesson.check_states(grads_at_1)
@@ -45,6 +39,15 @@ def test_exercise_1_states():
         "    return dict(parameters=4 * n_params // d, gradients=4 * n_params // d, optimizer=8 * n_params // d)\n")
     verdict = lesson.check_states(sharded_early)
     assert verdict.startswith("wrong: parameters for zero=1") and "only ZeRO-3/FSDP2" in verdict, verdict
+
+
+def test_exercise_1_accepts_the_states_written_with_a_shard_function():
+    other = defined(
+        "def states_per_rank(n_params, zero, dp):\n"
+        "    shard = lambda stage: dp if zero >= stage else 1\n"
+        "    return {'parameters': 4 * n_params / shard(3), 'gradients': 4 * n_params / shard(2),\n"
+        "            'optimizer': 8 * n_params / shard(1)}\n")
+    assert lesson.check_states(other).startswith("correct")
 
 
 def test_the_planner_answers_the_budget_question_as_a_run_measures_it():
@@ -81,6 +84,15 @@ def test_exercise_2_prediction():
     once = {**lesson.solution_predicted(), "fsdp2": {"all_gather": 6, "reduce_scatter": 3}}  # the root re-gathered
     verdict = lesson.check_prediction(once, COUNTED)
     assert verdict.startswith("wrong: fsdp2:") and "keeps gathered" in verdict and "ddp" not in verdict
+
+
+def test_exercise_2_accepts_a_prediction_that_also_counts_ddps_broadcasts():
+    """DDP's forward broadcasts its buffers (tiny): a learner who predicts them is not wrong; TP's count as arithmetic."""
+    layers = 2
+    other = {"ddp": {"all_reduce": 1, "broadcast": 2},
+             "fsdp2": {"all_gather": layers + 1 + layers, "reduce_scatter": layers + 1},
+             "tp": {"all_reduce": 2 * layers + 4 * layers + 1, "all_gather": 1}}
+    assert lesson.check_prediction(other, COUNTED).startswith("correct")
 
 
 def test_the_counts_are_what_commdebugmode_sees_on_the_engines(cluster):
@@ -144,9 +156,6 @@ def test_exercise_4_layout():
     verdict = lesson.check_layout(defined(lesson.SKELETONS["layout"]))
     assert verdict == ("wrong: tp=8 spans nodes of 4 GPUs: tensor parallel talks in every layer, keep it within a "
                        "node's fast links"), verdict
-    other = defined("def choose_layout():\n    from tutorial.lessons.performance import Layout\n"
-                    "    return Layout(dp=16, tp=4, pp=1, zero=3)\n")
-    assert lesson.check_layout(other).startswith("correct: 16 x 4 x 1 (zero=3) fits")
     replicas = defined("def choose_layout():\n    from tutorial.lessons.performance import Layout\n"
                        "    return Layout(dp=64)\n")
     verdict = lesson.check_layout(replicas)
@@ -155,6 +164,12 @@ def test_exercise_4_layout():
                      "    return Layout(dp=4, tp=4, pp=3, zero=3)\n")
     verdict = lesson.check_layout(uneven)
     assert "48 ranks, but the job has 16 x 4 = 64 GPUs" in verdict and "32 layers do not split into 3" in verdict
+
+
+def test_exercise_4_accepts_a_layout_without_pipeline_stages():
+    other = defined("def choose_layout():\n    from tutorial.lessons.performance import Layout\n"
+                    "    return Layout(dp=16, tp=4, pp=1, zero=3)\n")
+    assert lesson.check_layout(other).startswith("correct: 16 x 4 x 1 (zero=3) fits")
 
 
 def test_the_dry_run_lays_out_what_the_planner_plans():

@@ -554,7 +554,9 @@ def _patch_threads() -> None:
 
 # -- NCCL, simulated over gloo, and the record -------------------------------------------------------------------
 
-NCCL_GROUPS: dict = {}  # id(process group) -> "nccl", for the groups made as NCCL
+# id(process group) -> the group, for the groups made as NCCL. The group itself is kept: once a destroyed group
+# is freed, a new (gloo) group can get its address, and an id alone would call it NCCL (10's checker, 2 GPUs).
+NCCL_GROUPS: dict = {}
 
 
 def record(entry: dict) -> None:
@@ -626,7 +628,7 @@ def _patch_distributed(torch) -> None:
         if refusal:
             raise dist.DistBackendError(refusal)
         if backend == "nccl":
-            NCCL_GROUPS[id(group)] = "nccl"
+            NCCL_GROUPS[id(group)] = group
 
     @functools.wraps(init)
     def init_process_group(backend=None, *args, **kwargs):
