@@ -374,6 +374,39 @@ def test_the_plan_and_readme_say_where_a_one_gpu_attendees_ranks_go_as_the_alloc
             assert library in text, (library, text)
 
 
+def one_gpu_cpu_notebooks(notebooks: dict[str, str]) -> list[str]:
+    """The notebooks (their two-character numbers) whose cells allocate ranks for a trainer that cannot share a GPU,
+    read from the cells' own `notebook.allocation(..., trainer="x")` calls: with one GPU per attendee they train on
+    the CPU (launch.allocation)."""
+    from tutorial.launch import allocation as policy
+    found = set()
+    for stem, text in notebooks.items():
+        for code in (c for c in json.loads(text)["cells"] if c["cell_type"] == "code"):
+            for trainer in re.findall(r"allocation\([^)]*trainer=\"(\w+)\"", "".join(code["source"])):
+                if trainer not in policy.GPU_SHARING_TRAINERS:
+                    found.add(stem[:2])
+    return sorted(found)
+
+
+def plan_gpu_cpu_notebooks(plan: str) -> list[str]:
+    """The notebooks the plan's GPU column says train on the CPU with one GPU per attendee."""
+    said = re.search(r"With one GPU per attendee.*?: ([\d, and]+) then train on the CPU", " ".join(plan.split()))
+    return sorted(re.findall(r"\d\d", said.group(1))) if said else []
+
+
+def test_the_plan_gpu_column_names_the_notebooks_that_train_on_the_cpu_with_one_gpu():
+    """The GPU column's estimates are a full node's (2 ranks on 2 GPUs); with one GPU per attendee the notebooks that
+    allocate for Horovod, Lightning, FSDP, tensor/pipeline parallel train on the CPU, and the plan names them."""
+    notebooks = {p.stem: p.read_text() for p in ROOT.glob("notebooks/[0-9]*.ipynb")}
+    expected = one_gpu_cpu_notebooks(notebooks)
+    assert expected == ["05", "08", "09", "11", "12"]
+    assert plan_gpu_cpu_notebooks((ROOT / "slides" / "course_plan.md").read_text()) == expected
+    # negative control: a notebook that allocates for DDP only does not count; one more for FSDP does
+    for_fsdp = 'allocation(2, cfg, trainer=\\"fsdp\\")'
+    notebooks["03b_ddp_trainer"] = notebooks["03b_ddp_trainer"].replace("allocation(2, cfg)", for_fsdp)
+    assert one_gpu_cpu_notebooks(notebooks) == ["03", "05", "08", "09", "11", "12"]
+
+
 def test_the_day_with_its_setup_block_is_said_as_it_is():
     """Negative control: 4e6582a's plan and README gave 291 min of teaching "plus setup 20 min" and never said that
     the two together, 311 min, are 11 min over 5 h (review 5, section 5)."""
