@@ -164,10 +164,20 @@ def test_a_gpu_bound_per_task_is_one_gpu_per_rank_for_nccl(tmp_path):
     assert codes == [2, 2] and all("would use the same GPU" in o for o in outs), outs
 
 
+# The exercise tests whose checkers run in the test's own process: those that start no engines (the others start
+# CPU engines of their own, which a simulated GPU would only refuse to share; the notebooks' checkers on engines run
+# in the lane).
+IN_PROCESS_EXERCISES = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_exercises_*.py")
+                              if not re.search(r"\bcluster\b|engines\.start", p.read_text()))
+
+
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_the_exercise_checkers_on_their_gpu_branch(gpus):
-    """02's exercise 2 checker builds its problem where nn.DataParallel puts the module (4e6582a's did not, and
-    called the package's own solution wrong on any GPU node: it fails here under 1 and 2 simulated GPUs)."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_exercises_02.py"],
+    """Every checker that runs in-process accepts its solution and rejects the wrong answers on a GPU node too. 02's
+    exercise 2 checker builds its problem where nn.DataParallel puts the module (4e6582a's did not, and called the
+    package's own solution wrong on any GPU node: 2 of test_exercises_02's tests fail here under 1 and 2 simulated
+    GPUs, "module must have its parameters and buffers on device cuda:0")."""
+    assert [p[-5:-3] for p in IN_PROCESS_EXERCISES] == ["01", "02", "04", "06", "07"]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *IN_PROCESS_EXERCISES],
                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=simulated(gpus))
     assert out.returncode == 0, out.stdout[-4000:]
