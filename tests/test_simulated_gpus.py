@@ -16,6 +16,8 @@ import pytest
 from conftest import ROOT, agent_store, env
 
 SIMGPU = ROOT / "tests" / "simgpu"
+sys.path.insert(0, str(SIMGPU))
+import lane  # noqa: E402  (the lane's checker, a plain module in tests/simgpu)
 
 
 def simulated(gpus: int, record=None, **extra) -> dict:
@@ -181,3 +183,33 @@ def test_the_exercise_checkers_on_their_gpu_branch(gpus):
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *IN_PROCESS_EXERCISES],
                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=simulated(gpus))
     assert out.returncode == 0, out.stdout[-4000:]
+
+
+def group_of(backend: str, gpus_seen: list, node_gpus: int, caller="tutorial.train_ddp") -> list[dict]:
+    """The record of one trainer's 2-rank process group: what each rank's current GPU is (None: it sees none)."""
+    return [dict(kind="init_process_group", group="g", world=2, rank=r, backend=backend, caller=caller, env={},
+                 node_gpus=node_gpus, current=0, uuids=[] if gpu is None else [f"GPU-{gpu}"], cell=7)
+            for r, gpu in enumerate(gpus_seen)]
+
+
+def test_the_lanes_check_is_readmes_allocation_table():
+    """README's three rows, each as the lane's checker reads a record: what the row says passes, and the other
+    backend is named as a problem (the checker's own negative controls)."""
+    rows = {line.split("|")[1].strip(): line.split("|")[2] for line in (ROOT / "README.md").read_text().splitlines()
+            if line.startswith(("| 2 or more", "| 1 (one GPU", "| none |"))}
+    assert "one rank per GPU, NCCL" in rows["2 or more (a full node)"]
+    assert "both ranks on that GPU over gloo" in rows["1 (one GPU per attendee)"]
+    assert "the CPU over gloo" in rows["none"]
+    full, shared, cpu = ([0, 1], 2), ([0, 0], 1), ([None, None], 0)
+    assert lane.table_problems(group_of("nccl", *full)) == []
+    assert lane.table_problems(group_of("gloo", *full)) == [
+        "cell 7: init_process_group of 2 ranks: every rank has a GPU of its own (2 on the node), but the backend is "
+        "gloo (README: one rank per GPU, NCCL)"]
+    assert lane.table_problems(group_of("gloo", *shared)) == []
+    assert lane.table_problems(group_of("nccl", *shared)) == ["cell 7: init_process_group of 2 ranks: NCCL with ranks "
+                                                              "sharing a GPU"]
+    assert lane.table_problems(group_of("gloo", *cpu)) == []
+    assert lane.table_problems(group_of("nccl", *cpu)) == ["cell 7: init_process_group of 2 ranks: NCCL on a rank "
+                                                           "that sees no GPU"]
+    # a cell's own group (its lesson chose gloo) is not the table's business; a trainer's is
+    assert lane.table_problems(group_of("gloo", *full, caller="__main__")) == []

@@ -2,8 +2,8 @@
 PYTHONPATH and TUTORIAL_SIMGPU set (simgpu.py simulates the GPUs in every process the notebooks start).
 
 It marks each cell's start in the record of process groups, then after a notebook's last cell checks what its
-launches did against README's allocation table (RULES, read from the README by tests/test_simulated_gpus.py) and the
-notebook's own promises (PROMISES). A broken check is an error of the notebook's last cell.
+launches did against README's allocation table (`table_problems`; tests/test_simulated_gpus.py holds it to the
+table's rows) and the notebook's own promises (PROMISES). A broken check is an error of the notebook's last cell.
 """
 from __future__ import annotations
 
