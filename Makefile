@@ -20,7 +20,7 @@ BIN := $(VENV)/bin
 NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_TIMEOUT)
 # The second lane: the GPU branch of every numbered notebook, on simulated GPUs (tests/simgpu: torch.cuda's answers,
 # tensors that say cuda:N and fail on mixed devices as CUDA does, NCCL over gloo that refuses what NCCL refuses, and a
-# record of every process group checked against README's allocation table). All but the three named below run as a
+# record of every process group checked against README's allocation table). All but the four named below run as a
 # one-GPU attendee's (the row most attendees have, and the one with most branches: ranks sharing the GPU over gloo,
 # or moved to the CPU); the notebooks whose lessons change with NCCL (08's plain Lightning script, 10's flight
 # recorder) run again as a full node's. The workshop-cpu preset, so that the workshop preset's code paths run too
@@ -32,14 +32,15 @@ SIMGPU = TUTORIAL_PRESET=workshop-cpu PYTHONPATH=$(CURDIR)/tests/simgpu $(BIN)/p
 # 04 and 09 run on the CPU with workshop-cpu, as the lane did before. 04 counts the graphs torch.compile makes, and
 # the simulation compiles nothing (there is no GPU to generate kernels for). FSDP2 and DCP make tensors below torch's
 # Python layer, which the simulation cannot follow (a resumed FSDP run's BatchNorm buffers come back as CPU tensors
-# there). Their GPU branches are gpu-check's (its compile, bf16/fp16, FSDP and DeepSpeed checks). 12 too: its ranks
-# train FSDP2, so a one-GPU attendee's run on the CPU anyway, and its layout dry run builds FSDP2 on the meta device in
-# the kernel, which the simulation cannot follow (the cell hung past the lane's 600 s there, 2026-11-27).
-CPU_LANE_NOTEBOOKS = notebooks/04_mixed_precision.ipynb notebooks/09_sharded_training.ipynb \
-	notebooks/12_performance_clinic.ipynb
-# 06 is in no lane, as before: its launches are typed with `--preset smoke` (strict nbval runs them), and what they
-# do on one GPU is the trainers' own decisions, which 03b, 05 and tests/test_simulated_gpus.py run on simulated GPUs.
-NO_LANE_NOTEBOOKS = notebooks/06_multi_node.ipynb
+# there). Their GPU branches are gpu-check's (its compile, bf16/fp16, FSDP and DeepSpeed checks).
+CPU_LANE_NOTEBOOKS = notebooks/04_mixed_precision.ipynb notebooks/09_sharded_training.ipynb
+# In no lane, strict nbval only:
+# - 06: its launches are typed with `--preset smoke` (strict nbval runs them), and what they do on one GPU is the
+#   trainers' own decisions, which 03b, 05 and tests/test_simulated_gpus.py run on simulated GPUs.
+# - 12: its cells read the preset only to name it, so a CPU run with workshop-cpu repeated strict nbval. Its ranks
+#   train FSDP2 (on the CPU for a one-GPU attendee anyway), and its layout dry run builds FSDP2 on the meta device,
+#   which the simulation cannot follow (the cell hung past 600 s, 2026-11-27): its GPU branch is gpu-check's stage 6.
+NO_LANE_NOTEBOOKS = notebooks/06_multi_node.ipynb notebooks/12_performance_clinic.ipynb
 ONE_GPU_NOTEBOOKS ?= $(filter-out $(CPU_LANE_NOTEBOOKS) $(NO_LANE_NOTEBOOKS),$(wildcard notebooks/[0-9][0-9]*_*.ipynb))
 FULL_NODE_NOTEBOOKS ?= notebooks/08_lightning.ipynb notebooks/10_when_things_go_wrong.ipynb
 SIMGPU_LANE = TUTORIAL_SIMGPU=1 $(SIMGPU) $(ONE_GPU_NOTEBOOKS) && TUTORIAL_SIMGPU=2 $(SIMGPU) $(FULL_NODE_NOTEBOOKS) \
@@ -98,10 +99,10 @@ test: install
 	@bash scripts/check_leftovers.sh
 
 # make test's two halves (each prints when it ends: --output-sync keeps their lines apart); no install of their own,
-# which two parallel jobs would race. Measured 2026-11-27 on 2 cores (AMD EPYC), side by side in a fresh clone: the
-# unit tests 31.4 min; strict nbval 12.7 min, the simulated-GPU lane about 19 min (one GPU 13.9, two GPUs 3.3, the CPU
-# part 1.6), the floor lane 2.7. --durations lists the slowest tests, so whoever evens the halves out next has the
-# numbers.
+# which two parallel jobs would race. Measured 2026-11-27 on 2 cores (AMD EPYC), side by side in a fresh clone of
+# 720d00b: the unit tests 34.6 min; strict nbval 13.5 min, the simulated-GPU lane 21.6 min (one GPU 13.0, two GPUs
+# 5.3, the CPU part 3.3 with 12, which has left it since), the floor lane 1.4. --durations lists the slowest tests, so
+# whoever evens the halves out next has the numbers.
 test-unit:
 	$(BIN)/python -m pytest tests --durations=25
 

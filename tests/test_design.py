@@ -580,8 +580,8 @@ def test_gpu_check_is_a_tool_that_runs_the_package_as_people_do():
 
 
 def test_the_simulated_gpu_lane_runs_every_notebook_and_its_promises_point_at_their_cells():
-    """make test's simulated-GPU lane runs every numbered notebook as a one-GPU attendee's but the three the Makefile
-    names with its reasons (04, 09 and 12 on the CPU, 06 in strict nbval only); a promise the lane checks
+    """make test's simulated-GPU lane runs every numbered notebook as a one-GPU attendee's but the four the Makefile
+    names with its reasons (04 and 09 on the CPU, 06 and 12 in strict nbval only); a promise the lane checks
     from a cell on (tests/simgpu/lane.py PROMISES) names the cell that makes it, so a moved cell cannot leave it
     checking from the wrong place."""
     import json
@@ -589,21 +589,27 @@ def test_the_simulated_gpu_lane_runs_every_notebook_and_its_promises_point_at_th
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^ONE_GPU_NOTEBOOKS \?= \$\(filter-out \$\(CPU_LANE_NOTEBOOKS\) \$\(NO_LANE_NOTEBOOKS\),"
                      r"\$\(wildcard notebooks/\[0-9\]\[0-9\]\*_\*\.ipynb\)\)$", makefile, re.M)
-    assert re.search(r"^NO_LANE_NOTEBOOKS = notebooks/06_multi_node.ipynb$", makefile, re.M)
-    # 06 stays out only while its cells read the preset just to print it or to ask `allocation` for ranks of their
-    # own (trainer=None, whose cfg they do not use): another use of `cfg`, a preset made from another name, or a
-    # launch given the chosen preset puts it back in the lane (the check the workshop-cpu lane had for its left-outs)
+    assert re.search(r"^NO_LANE_NOTEBOOKS = notebooks/06_multi_node.ipynb notebooks/12_performance_clinic.ipynb$",
+                     makefile, re.M)
+    # 06 and 12 stay out only while their cells read the preset just to print it or to ask `allocation` for ranks of
+    # their own (trainer=None, whose cfg they do not use): another use of `cfg`, a preset made from another name, or
+    # a launch given the chosen preset puts them back in the lane (the check the workshop-cpu lane had for its
+    # left-outs); the control is 04, which the preset changes
     allowed = (re.compile(r"^cfg = notebook\.choose_preset\(\)$"),
                re.compile(r"^alloc = notebook\.allocation\(\d+, cfg, trainer=None\)"))
-    code = "\n".join("".join(c["source"]) for c in json.loads((ROOT / "notebooks" / "06_multi_node.ipynb").read_text())[
-        "cells"] if c["cell_type"] == "code")
-    uses = [line.strip() for line in code.splitlines() if re.search(r"\bcfg\b", line)]
-    assert all(any(p.match(u) for p in allowed) for u in uses), uses
-    assert "alloc.cfg" not in code and "preset_name" not in code
-    assert set(re.findall(r'preset\("([\w-]+)"', code)) <= {"smoke"} and "--preset {" not in code
+
+    def preset_free(stem: str) -> bool:
+        code = "\n".join("".join(c["source"]) for c in json.loads((ROOT / "notebooks" / f"{stem}.ipynb").read_text())[
+            "cells"] if c["cell_type"] == "code")
+        uses = [line.strip() for line in code.splitlines() if re.search(r"\bcfg\b", line)]
+        return all(any(p.match(u) for p in allowed) for u in uses) and "alloc.cfg" not in code \
+            and "preset_name" not in code and set(re.findall(r'preset\("([\w-]+)"', code)) <= {"smoke"} \
+            and "--preset {" not in code
+
+    assert preset_free("06_multi_node") and preset_free("12_performance_clinic")
+    assert not preset_free("04_mixed_precision")
     left = re.search(r"^CPU_LANE_NOTEBOOKS = ((?:.*\\\n)*.*)$", makefile, re.M).group(1).replace("\\\n", " ").split()
-    assert left == ["notebooks/04_mixed_precision.ipynb", "notebooks/09_sharded_training.ipynb",
-                    "notebooks/12_performance_clinic.ipynb"], left  # the three left, with reasons
+    assert left == ["notebooks/04_mixed_precision.ipynb", "notebooks/09_sharded_training.ipynb"], left  # with reasons
     assert "$(SIMGPU_LANE)" in makefile.split("test-notebooks:")[1].split("\n\n")[0]
     sys.path.insert(0, str(ROOT / "tests" / "simgpu"))
     try:

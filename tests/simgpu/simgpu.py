@@ -19,7 +19,7 @@ device, the GPUs the rank sees, its environment's GPU and NCCL variables, and wh
 What it cannot show: kernels, speed, memory use, numerics of CUDA (tf32, bf16 kernels; autocast("cuda") changes no
 dtype here), compiling (torch.compile runs the function as it is), and tensors that FSDP2's DTensor and DCP make below
 torch's Python layer (they are plain CPU tensors here, so only CPU tensors made by Python count as the CPU in the
-device check). Those are gpu-check's, on a real GPU; the Makefile runs 04, 09 and 12 on the CPU for these reasons.
+device check). Those are gpu-check's, on a real GPU; the Makefile runs 04 and 09 on the CPU for these reasons.
 """
 from __future__ import annotations
 
