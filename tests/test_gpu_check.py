@@ -170,6 +170,34 @@ def test_the_later_stages_hold_compile_fp16_sync_bn_the_bare_loop_model_parallel
     assert eight["notebook-03b_ddp_trainer-8gpu"].visible == "0,1,2,3,4,5,6,7"
 
 
+def test_notebooks_that_use_horovod_or_mpirun_are_skipped_where_the_node_lacks_them(tmp_path, monkeypatch):
+    """The offline node has neither Horovod nor, probably, mpirun (no wheel carries them): 00 (whose doctor cell
+    asserts both), 05 and 06 need both, 08 and 09 launch with mpirun. Where one is missing the notebook is a recorded
+    skip naming it; before, 00 and 06 in stage 4 and 08 in stage 3 would have FAILed at a cell that cannot start."""
+    needs = {c.name.split("-")[1]: set(c.needs) - {"module:nbclient", "module:ipykernel"}
+             for c in plan.plan(8, tmp_path) if c.name.startswith("notebook-")}
+    both = {"module:horovod", "program:mpirun"}
+    assert needs == {"01_single_device": set(), "03a_ddp_by_hand": set(), "03b_ddp_trainer": set(),
+                     "04_mixed_precision": set(), "07_scaling_study": set(), "08_lightning": {"program:mpirun"},
+                     "10_when_things_go_wrong": set(), "11_model_parallelism": set(), "00_setup": both,
+                     "06_multi_node": both, "05_horovod": both,
+                     "09_sharded_training": {"module:deepspeed", "program:mpirun"}, "02_data_parallel": set(),
+                     "12_performance_clinic": set()}
+    # controls: a comment naming mpirun is not a use of it (08 has one), a code line is
+    cell = {"cells": [{"cell_type": "code", "source": ["x = 1  # ranks from torchrun, mpirun or srun\n"]}]}
+    (tmp_path / "a.ipynb").write_text(json.dumps(cell))
+    assert plan.node_tools(tmp_path / "a.ipynb") == ()
+    cell["cells"][0]["source"] = ['run = launch(cfg, launcher="mpirun")\n']
+    (tmp_path / "a.ipynb").write_text(json.dumps(cell))
+    assert plan.node_tools(tmp_path / "a.ipynb") == ("program:mpirun",)
+    # the skip's reason, where Horovod is missing, says that the bundle cannot bring it
+    real = runner.importlib.util.find_spec
+    monkeypatch.setattr(runner.importlib.util, "find_spec", lambda name: None if name == "horovod" else real(name))
+    assert "make gpu-bundle cannot carry it" in runner.missing(("module:nbclient", "module:horovod"))
+    assert runner.missing(("program:gpucheck-no-such-mpirun",)) == "gpucheck-no-such-mpirun is not installed here " \
+                                                                   "(not on PATH)"
+
+
 def test_list_prints_the_estimates_and_their_sum():
     proc = _cli("--list", "--stage", "1", "--gpus", "1")
     assert proc.returncode == 0, proc.stderr

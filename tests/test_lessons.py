@@ -172,3 +172,16 @@ def test_memory_table_puts_a_gpu_ranks_peak_beside_the_tensor_bytes():
     assert "GPU peak MB" not in sharded.memory_table([dict(row, gpu_peak=None)])[0]
     on_gpu = sharded.memory_table([dict(row, gpu_peak=30e6)])[0]
     assert on_gpu["GPU peak MB"] == 30 and on_gpu["total MB"] == 12
+
+
+def test_a_notebooks_runs_folder_starts_empty_so_no_cell_reads_an_earlier_execution(tmp_path, monkeypatch):
+    """06 on a torch without a working Horovod (2026-11-27): horovodrun failed, and the next cell checked the
+    metrics.json of the run before as its own (world size 2, accuracy, replicas identical: all passed)."""
+    from tutorial.lessons import failures, notebook
+    monkeypatch.setenv("TUTORIAL_RUNS", str(tmp_path))
+    first = notebook.runs_dir("06_multi_node")
+    os.makedirs(os.path.join(first, "horovodrun"))
+    with open(os.path.join(first, "horovodrun", "metrics.json"), "w") as f:
+        f.write('{"world_size": 2}')
+    assert notebook.runs_dir("06_multi_node") == first and os.listdir(first) == []
+    assert failures.fresh_dir("06_multi_node") == os.path.abspath(first) and os.listdir(first) == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -113,9 +114,24 @@ def trainer(node: Node, stage_no: int, stage: str, *args, name: str, estimate: f
                  world=world or max(nproc, 1), device=node.device, out=where, claims=claims, needs=needs, **kw)
 
 
+# What a notebook's code cells (comments left out) use that no wheel can carry, so a GPU node may lack it: Horovod
+# (built against the node's torch and MPI) and an MPI launcher. 00 asserts that `tutorial doctor` finds both.
+NODE_TOOLS = {"module:horovod": re.compile(r"horovodrun|train_horovod|import horovod|cli\.doctor\("),
+              "program:mpirun": re.compile(r"\bmpirun\b|cli\.doctor\(")}
+
+
+def node_tools(source: Path) -> tuple:
+    """The NODE_TOOLS a notebook uses: where the node lacks one, the notebook is a recorded skip that names it, not a
+    FAIL for the wrong reason (a launch cell that cannot start)."""
+    code = "\n".join(re.sub(r"#.*", "", line) for c in json.loads(source.read_text())["cells"]
+                     if c["cell_type"] == "code" for line in "".join(c["source"]).splitlines())
+    return tuple(need for need, used in NODE_TOOLS.items() if used.search(code))
+
+
 def notebook(node: Node, stage_no: int, stem: str, estimate: float, needs: tuple = ()) -> Check:
     """A notebook executed top to bottom under the node's allocation (its asserts are the check)."""
     source = CHECKOUT / "notebooks" / f"{stem}.ipynb"
+    needs += node_tools(source)
     return Check(name=f"notebook-{stem}-{node.label}", stage=stage_no, estimate=estimate,
                  timeout=max(120, 2.5 * estimate), notebook=str(source), visible=",".join(node.visible[:node.n]),
                  needs=("module:nbclient", "module:ipykernel", *needs),
@@ -226,7 +242,7 @@ def stage_5(node: Node) -> list[Check]:
                     min_accuracy=node.bound, command=[
                         program("horovodrun"), "-np", str(n), "-H", f"localhost:{n}", "--gloo", PY, "-m",
                         "tutorial.train_horovod", *node.preset, "--out", out])
-    return [horovod, notebook(node, 5, "05_horovod", 60, needs=("module:horovod",)),
+    return [horovod, notebook(node, 5, "05_horovod", 60),
             notebook(node, 5, "09_sharded_training", 290, needs=("module:deepspeed",)),
             notebook(node, 5, "02_data_parallel", 45)]
 

@@ -193,6 +193,9 @@ def missing(needs) -> str:
         if kind == "program" and not shutil.which(program(what)):
             return f"{what} is not installed here (not on PATH)"
         if kind == "module" and importlib.util.find_spec(what) is None:
+            if what == "horovod":  # built against the node's torch and MPI: no wheel can travel
+                return "the Python package horovod is not installed here (make gpu-bundle cannot carry it: " \
+                       "build it on the node with scripts/install_horovod.sh)"
             return f"the Python package {what} is not installed here (make gpu-bundle carries it)"
         if need == "horovod-nccl":
             ok, why = horovod_nccl()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -91,13 +90,9 @@ def walltime(command: list[str], out: str, after_epochs: int, grace: float = 30,
 
 
 def fresh_dir(name: str) -> str:
-    """An empty runs/<name> (absolute, so engines and launchers in other folders find it): a checkpoint left by an
-    earlier execution of the notebook would otherwise be resumed."""
+    """An empty runs/<name> (notebook.runs_dir), absolute, so that engines and launchers in other folders find it."""
     from .notebook import runs_dir
-    path = os.path.abspath(runs_dir(name))
-    shutil.rmtree(path)
-    os.makedirs(path)
-    return path
+    return os.path.abspath(runs_dir(name))
 
 
 # ------------------------------------------------------------------------------ the debug server (section 5)

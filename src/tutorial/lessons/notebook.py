@@ -11,6 +11,7 @@ import importlib
 import inspect
 import os
 import shlex
+import shutil
 import time
 from pathlib import Path
 
@@ -73,9 +74,12 @@ def diff(old: str, new: str, function: str | None = None, context: int = 1) -> N
 
 
 def runs_dir(name: str) -> str:
-    """Where a notebook's runs go: runs/<name> next to the notebooks (ignored by git)."""
+    """Where a notebook's runs go: runs/<name> next to the notebooks (ignored by git), emptied. A cell must never read
+    what an earlier execution left: after a launch that failed (a `!` command does not fail its cell), the next cell
+    would check the last run's metrics.json as this one's, and a trainer would resume an old checkpoint."""
     path = os.path.join(os.environ.get("TUTORIAL_RUNS", "runs"), name)
-    os.makedirs(path, exist_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
     return path
 
 
