@@ -19,7 +19,7 @@ vision="torchvision==0.$(( ${floor#2.} + 15 )).0"
 [[ -x $VENV/bin/python ]] || die "$VENV is missing: run make install first"
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-if [[ -x $FLOOR_VENV/bin/python ]] && "$FLOOR_VENV/bin/python" -c "
+if [[ -x $FLOOR_VENV/bin/python && -x $FLOOR_VENV/bin/torchrun ]] && "$FLOOR_VENV/bin/python" -c "
 import sys, torch, torchvision
 sys.exit(torch.__version__.split('+')[0] != '$floor.0' or not torch.__file__.startswith('$(pwd)/$FLOOR_VENV'))
 " 2>/dev/null; then
@@ -35,6 +35,10 @@ floor_site=$("$FLOOR_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_
 # which a path added by a .pth file does not process).
 echo "$(cd "$site" && pwd)" > "$floor_site/zz-venv.pth"
 echo "$(pwd)/src" > "$floor_site/zz-tutorial-src.pth"
+# torchrun as a venv has it, of the floor's torch (pip --target wrote its script for .venv's Python, the pinned torch):
+# a cell that types `torchrun` runs the floor too
+printf '#!/bin/sh\nexec "%s" -m torch.distributed.run "$@"\n' "$(pwd)/$FLOOR_VENV/bin/python" > "$FLOOR_VENV/bin/torchrun"
+chmod +x "$FLOOR_VENV/bin/torchrun"
 "$FLOOR_VENV/bin/python" -c 'import torch, torchvision; torchvision.ops.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)' \
   || die "$torch and $vision do not work together over $VENV"
 say "ready ($FLOOR_VENV: $("$FLOOR_VENV/bin/python" -c 'import torch; print(torch.__version__)'))"

@@ -111,4 +111,9 @@ def test_this_torch_is_in_the_supported_range_and_the_floor_lane_runs_the_floor(
     assert here >= (int(floor[1]), int(floor[2]))
     if Path(sys.prefix).name == ".venv-floor":
         assert here == (int(floor[1]), int(floor[2])) and ".venv-floor" in torch.__file__, torch.__file__
+        # and the torchrun a cell types beside this Python (08) starts the floor's torch, not .venv's
+        import subprocess
+        run = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "1",
+                              "-m", "torch.utils.collect_env"], capture_output=True, text=True, timeout=120)
+        assert f"PyTorch version: {torch.__version__}" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"torch {floor[1]}.{floor[2]}" in (root / "README.md").read_text()  # said where people read it
