@@ -2,7 +2,7 @@
 
 Strict nbval compares the stored outputs, which were made on a CPU with the `smoke` preset, so both are pinned
 here whatever the machine (GPUs hidden); varying text (timings, throughputs) is rewritten by sanitize.cfg before comparing.
-`pytest --nbval-lax notebooks/` (the workshop-cpu lane of `make test`) only runs the cells and their asserts, so
+`pytest --nbval-lax` (the simulated-GPU lane of `make test`) only runs the cells and their asserts, so
 it keeps whatever TUTORIAL_PRESET the caller chose.
 """
 import os

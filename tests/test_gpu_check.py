@@ -172,24 +172,27 @@ def test_the_later_stages_hold_compile_fp16_sync_bn_the_bare_loop_model_parallel
 
 def test_notebooks_that_use_horovod_or_mpirun_are_skipped_where_the_node_lacks_them(tmp_path, monkeypatch):
     """The offline node has neither Horovod nor, probably, mpirun (no wheel carries them): 00 (whose doctor cell
-    asserts both), 05 and 06 need both, 08 and 09 launch with mpirun. Where one is missing the notebook is a recorded
-    skip naming it; before, 00 and 06 in stage 4 and 08 in stage 3 would have FAILed at a cell that cannot start."""
+    asserts both), 05 and 06 (which also type horovodrun) need both, 08 and 09 launch with mpirun. Where one is
+    missing the notebook is a recorded skip naming it; before, 00 and 06 in stage 4 and 08 in stage 3 would have
+    FAILed at a cell that cannot start."""
     needs = {c.name.split("-")[1]: set(c.needs) - {"module:nbclient", "module:ipykernel"}
              for c in plan.plan(8, tmp_path) if c.name.startswith("notebook-")}
     both = {"module:horovod", "program:mpirun"}
     assert needs == {"01_single_device": set(), "03a_ddp_by_hand": set(), "03b_ddp_trainer": set(),
                      "04_mixed_precision": set(), "07_scaling_study": set(), "08_lightning": {"program:mpirun"},
                      "10_when_things_go_wrong": set(), "11_model_parallelism": set(), "00_setup": both,
-                     "06_multi_node": both, "05_horovod": both,
+                     "06_multi_node": both | {"program:horovodrun"}, "05_horovod": both | {"program:horovodrun"},
                      "09_sharded_training": {"module:deepspeed", "program:mpirun"}, "02_data_parallel": set(),
                      "12_performance_clinic": set()}
-    # controls: a comment naming mpirun is not a use of it (08 has one), a code line is
-    cell = {"cells": [{"cell_type": "code", "source": ["x = 1  # ranks from torchrun, mpirun or srun\n"]}]}
-    (tmp_path / "a.ipynb").write_text(json.dumps(cell))
-    assert plan.node_tools(tmp_path / "a.ipynb") == ()
-    cell["cells"][0]["source"] = ['run = launch(cfg, launcher="mpirun")\n']
-    (tmp_path / "a.ipynb").write_text(json.dumps(cell))
-    assert plan.node_tools(tmp_path / "a.ipynb") == ("program:mpirun",)
+    # controls: a comment, a variable or a lesson module named so are no use (08, 05 have them); a launch is
+    for source, found in ((["x = 1  # ranks from torchrun, mpirun or srun\n"], ()),
+                          (['mpirun = json.load(open("m.json"))\n', "from tutorial.lessons import horovod\n"], ()),
+                          (['run = launch(cfg, launcher="mpirun")\n'], ("program:mpirun",)),
+                          (["!mpirun -np 2 python -m x\n"], ("program:mpirun",)),
+                          (["import horovod.torch as hvd\n", "!horovodrun -np 2 python x.py\n"],
+                           ("module:horovod", "program:horovodrun"))):
+        (tmp_path / "a.ipynb").write_text(json.dumps({"cells": [{"cell_type": "code", "source": source}]}))
+        assert plan.node_tools(tmp_path / "a.ipynb") == found, source
     # the skip's reason, where Horovod is missing, says that the bundle cannot bring it
     real = runner.importlib.util.find_spec
     monkeypatch.setattr(runner.importlib.util, "find_spec", lambda name: None if name == "horovod" else real(name))
@@ -413,7 +416,7 @@ def test_the_cpu_rehearsal_of_stage_1(tmp_path):
     """Stage 1's driver through scripts/gpu_check.sh as on an offline node (no venv: this Python plus the bundle in a
     scratch folder), on the CPU with the smoke preset: a subset of stage 1 (the probe, a single-process trainer, two
     ranks sharing a device over gloo, NCCL's refusal) and the negative controls. The rest of stage 1 runs the same
-    driver on the same code paths; the CPU lane of make test executes the notebooks."""
+    driver on the same code paths; make test executes the notebooks (strict nbval, the simulated-GPU lane)."""
     wheels = _bundle_for_this_python()
     results = tmp_path / "results"
     start = time.monotonic()

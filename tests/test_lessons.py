@@ -184,4 +184,17 @@ def test_a_notebooks_runs_folder_starts_empty_so_no_cell_reads_an_earlier_execut
     with open(os.path.join(first, "horovodrun", "metrics.json"), "w") as f:
         f.write('{"world_size": 2}')
     assert notebook.runs_dir("06_multi_node") == first and os.listdir(first) == []
+    with open(os.path.join(first, "checkpoint.pt"), "w") as f:
+        f.write("an earlier run's")
     assert failures.fresh_dir("06_multi_node") == os.path.abspath(first) and os.listdir(first) == []
+    # 03b's capstone keeps the learner's edited script across executions of its cell
+    capstone = notebook.runs_dir("03_capstone", empty=False)
+    with open(os.path.join(capstone, "train_ddp.py"), "w") as f:
+        f.write("# my DDP edits")
+    assert os.listdir(notebook.runs_dir("03_capstone", empty=False)) == ["train_ddp.py"]
+    # a runs folder that links to scratch is emptied, not replaced
+    scratch = tmp_path / "scratch"
+    (scratch / "old").mkdir(parents=True)
+    os.symlink(scratch, os.path.join(str(tmp_path), "12_performance_clinic"))
+    emptied = notebook.runs_dir("12_performance_clinic")
+    assert os.listdir(emptied) == [] and os.path.islink(emptied)

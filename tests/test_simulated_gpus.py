@@ -2,7 +2,8 @@
 CUDA and NCCL would (else the lane could not fail), the rows of README's allocation table executed under it (a full
 node, a shared node's subset, a GPU bound per task), and the exercise checkers on their GPU branch.
 
-The lane itself (every notebook under one simulated GPU, the NCCL notebooks under two) is `make test`'s
+The lane itself (the numbered notebooks under one simulated GPU but 04, 06, 09 and 12, whose reasons the
+Makefile gives; the NCCL notebooks 08 and 10 under two) is `make test`'s
 SIMGPU_LANE; tests/simgpu/simgpu.py says what is simulated and what is not."""
 from __future__ import annotations
 

@@ -115,9 +115,11 @@ def trainer(node: Node, stage_no: int, stage: str, *args, name: str, estimate: f
 
 
 # What a notebook's code cells (comments left out) use that no wheel can carry, so a GPU node may lack it: Horovod
-# (built against the node's torch and MPI) and an MPI launcher. 00 asserts that `tutorial doctor` finds both.
-NODE_TOOLS = {"module:horovod": re.compile(r"horovodrun|train_horovod|import horovod|cli\.doctor\("),
-              "program:mpirun": re.compile(r"\bmpirun\b|cli\.doctor\(")}
+# (built against the node's torch and MPI) and its launcher, and an MPI launcher (a `!` command, a lesson's launch,
+# MPI engines). 00 asserts that `tutorial doctor` finds Horovod and MPI.
+NODE_TOOLS = {"module:horovod": re.compile(r"^\s*(import|from) horovod\b|train_horovod|cli\.doctor\(", re.M),
+              "program:horovodrun": re.compile(r"^\s*!.*\bhorovodrun\b", re.M),
+              "program:mpirun": re.compile(r'^\s*!.*\bmpirun\b|launcher="mpirun"|engines="mpi"|cli\.doctor\(', re.M)}
 
 
 def node_tools(source: Path) -> tuple:

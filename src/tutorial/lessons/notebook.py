@@ -73,13 +73,19 @@ def diff(old: str, new: str, function: str | None = None, context: int = 1) -> N
         print(line)
 
 
-def runs_dir(name: str) -> str:
-    """Where a notebook's runs go: runs/<name> next to the notebooks (ignored by git), emptied. A cell must never read
-    what an earlier execution left: after a launch that failed (a `!` command does not fail its cell), the next cell
-    would check the last run's metrics.json as this one's, and a trainer would resume an old checkpoint."""
+def runs_dir(name: str, empty: bool = True) -> str:
+    """Where a notebook's runs go: runs/<name> next to the notebooks (ignored by git), emptied unless `empty=False`
+    (03b's capstone keeps the learner's edited script). A cell must never read what an earlier execution left: after
+    a launch that failed (a `!` command does not fail its cell), the next cell would check the last run's
+    metrics.json as this one's, and a trainer would resume an old checkpoint. So re-running a notebook's setup cell
+    starts its runs afresh: run the sections after it again. The folder itself stays (it may link to scratch)."""
     path = os.path.join(os.environ.get("TUTORIAL_RUNS", "runs"), name)
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path)
+    os.makedirs(path, exist_ok=True)
+    for entry in os.scandir(path) if empty else ():
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
     return path
 
 
