@@ -249,7 +249,23 @@ def drive(browser, hub, passwords: dict, blocker: str, tmp_path: Path) -> None:
         for name, page in pages.items():
             if not page.is_closed():
                 shot(page, tmp_path / f"failed-{name}.png")
+        dump_stacks(tmp_path / "failed-stacks.txt")
         raise
+
+
+def dump_stacks(path: Path) -> None:
+    """Where the attendees' kernels and engines wait, for a failure that a rerun does not show again (once, 2026-11-27:
+    both labs sat in 00's first all_reduce): py-spy's stack of each of their Python processes, into `path`."""
+    import psutil
+    spy, found = Path(sys.executable).parent / "py-spy", []
+    for proc in psutil.process_iter(["pid", "username", "cmdline"]):
+        if proc.info["username"] in ATTENDEES and "python" in " ".join(proc.info["cmdline"] or [])[:200]:
+            out = subprocess.run([str(spy), "dump", "--pid", str(proc.info["pid"])], capture_output=True, text=True,
+                                 timeout=30)
+            found.append(f"== {proc.info['username']} {proc.info['pid']} {' '.join(proc.info['cmdline'])[:200]}\n"
+                         f"{out.stdout}{out.stderr}")
+    path.write_text("\n".join(found) or "no attendee process left")
+    print(f"stacks: {path}")
 
 
 def first_cell_after(text: str) -> int:
