@@ -186,6 +186,12 @@ def _kill(procs) -> None:
 
 
 # ------------------------------------------------------------------------------------ what the node lacks
+def bundled() -> set[str]:
+    """The packages scripts/gpu_bundle.txt pins for an offline node, as import names."""
+    pins = (CHECKOUT / "scripts" / "gpu_bundle.txt").read_text().splitlines()
+    return {line.split("==")[0].strip().lower().replace("-", "_") for line in pins if "==" in line.split("#")[0]}
+
+
 def missing(needs) -> str:
     """Why a check cannot run here ("" if it can): a program not on PATH, a package not importable."""
     for need in needs:
@@ -193,10 +199,9 @@ def missing(needs) -> str:
         if kind == "program" and not shutil.which(program(what)):
             return f"{what} is not installed here (not on PATH)"
         if kind == "module" and importlib.util.find_spec(what) is None:
-            if what == "horovod":  # built against the node's torch and MPI: no wheel can travel
-                return "the Python package horovod is not installed here (make gpu-bundle cannot carry it: " \
-                       "build it on the node with scripts/install_horovod.sh)"
-            return f"the Python package {what} is not installed here (make gpu-bundle carries it)"
+            where = "make gpu-bundle carries it" if what in bundled() else \
+                "make gpu-bundle cannot carry it: build it on the node, as make install does"  # Horovod
+            return f"the Python package {what} is not installed here ({where})"
         if need == "horovod-nccl":
             ok, why = horovod_nccl()
             if not ok:
