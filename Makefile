@@ -10,6 +10,10 @@ HOROVOD_GPU_OPERATIONS ?=
 NBVAL_TIMEOUT ?= 600
 export PYTHON VENV HOROVOD_GPU_OPERATIONS
 BIN := $(VENV)/bin
+# Where make test records its times (scripts/suite_times.py): each lane's wall time, and through --junitxml every
+# test's and notebook cell's duration; the report at its end prints the halves' balance and the slowest tests.
+TIMES := results/test-times
+TIMED = $(PYTHON) scripts/suite_times.py run
 # make test runs its two halves side by side: the unit tests, and the notebooks (strict nbval, then the workshop-cpu
 # lane). Most tests and cells wait on process starts, rendezvous and sleeps as much as they compute, so the halves fill
 # each other's gaps: on a 2-core VM (2026-11-25) the unit tests and strict nbval together took 21 min side by side.
@@ -43,15 +47,21 @@ CPU_LANE_NOTEBOOKS = notebooks/04_mixed_precision.ipynb notebooks/09_sharded_tra
 NO_LANE_NOTEBOOKS = notebooks/06_multi_node.ipynb notebooks/12_performance_clinic.ipynb
 ONE_GPU_NOTEBOOKS ?= $(filter-out $(CPU_LANE_NOTEBOOKS) $(NO_LANE_NOTEBOOKS),$(wildcard notebooks/[0-9][0-9]*_*.ipynb))
 FULL_NODE_NOTEBOOKS ?= notebooks/08_lightning.ipynb notebooks/10_when_things_go_wrong.ipynb
-SIMGPU_LANE = TUTORIAL_SIMGPU=1 $(SIMGPU) $(ONE_GPU_NOTEBOOKS) && TUTORIAL_SIMGPU=2 $(SIMGPU) $(FULL_NODE_NOTEBOOKS) \
-	&& TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax $(CPU_LANE_NOTEBOOKS) --nbval-cell-timeout $(NBVAL_TIMEOUT)
+# JUnit XML of one pytest run, beside the lane times (scripts/suite_times.py reads both).
+junit = --junitxml=$(TIMES)/$(1).xml -o junit_family=xunit2
+SIMGPU_ONE_GPU = env TUTORIAL_SIMGPU=1 $(SIMGPU) $(call junit,simgpu-1gpu) $(ONE_GPU_NOTEBOOKS)
+SIMGPU_FULL_NODE = env TUTORIAL_SIMGPU=2 $(SIMGPU) $(call junit,simgpu-2gpu) $(FULL_NODE_NOTEBOOKS)
+SIMGPU_CPU_PART = env TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax $(CPU_LANE_NOTEBOOKS) \
+	--nbval-cell-timeout $(NBVAL_TIMEOUT) $(call junit,simgpu-cpu)
+SIMGPU_LANE = $(SIMGPU_ONE_GPU) && $(SIMGPU_FULL_NODE) && $(SIMGPU_CPU_PART)
 
 # The floor lane: the trainers' core paths and gpu-check's CPU rehearsal on the oldest torch the workbook supports
 # (pyproject.toml's "torch>=", the one place it is declared; the lent GPU node has 2.11), in .venv-floor, an overlay of
-# .venv that make install makes (scripts/torch_floor.sh). It runs in the notebooks' half, which has room for it.
+# .venv that make install makes (scripts/torch_floor.sh). It runs in the unit tests' half (review 6 §5: the halves
+# were 32.6 and 34.4 min, the notebooks' the longer).
 FLOOR_TESTS = tests/test_distributed.py tests/test_step_agreement.py tests/test_trainers.py \
 	tests/test_gpu_check.py::test_the_cpu_rehearsal_of_stage_1
-FLOOR_LANE = .venv-floor/bin/python -m pytest $(FLOOR_TESTS)
+FLOOR_LANE = .venv-floor/bin/python -m pytest $(FLOOR_TESTS) $(call junit,floor)
 
 .PHONY: help install lab hub test test-unit test-notebooks unit nbval simgpu-lane floor-lane notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
 
@@ -95,21 +105,24 @@ nbval: install
 	$(NBVAL)
 
 test: install
-	@$(MAKE) --no-print-directory -j2 --output-sync=target test-unit test-notebooks
+	@rm -rf $(TIMES)
+	@$(TIMED) test all -- $(MAKE) --no-print-directory -j2 --output-sync=target test-unit test-notebooks; \
+		status=$$?; $(PYTHON) scripts/suite_times.py report; exit $$status
 	@bash scripts/check_leftovers.sh
 
 # make test's two halves (each prints when it ends: --output-sync keeps their lines apart); no install of their own,
-# which two parallel jobs would race. Measured 2026-11-27 on 2 cores (AMD EPYC), side by side in a fresh clone of
-# 720d00b: the unit tests 34.6 min; strict nbval 13.5 min, the simulated-GPU lane 21.6 min (one GPU 13.0, two GPUs
-# 5.3, the CPU part 3.3 with 12, which has left it since), the floor lane 1.4. --durations lists the slowest tests, so
-# whoever evens the halves out next has the numbers.
+# which two parallel jobs would race. Every lane is timed and every pytest writes its JUnit XML into $(TIMES), so the
+# report at the end of make test says how long each lane and half took and which tests and cells were the slowest:
+# balance the halves from those figures (results/suite_times.md holds a fresh clone's).
 test-unit:
-	$(BIN)/python -m pytest tests --durations=25
+	$(TIMED) unit unit -- $(BIN)/python -m pytest tests $(call junit,unit)
+	$(TIMED) floor unit -- $(FLOOR_LANE)
 
 test-notebooks:
-	$(NBVAL)
-	$(SIMGPU_LANE)
-	$(FLOOR_LANE)
+	$(TIMED) nbval notebooks -- $(NBVAL) $(call junit,nbval)
+	$(TIMED) simgpu-1gpu notebooks -- $(SIMGPU_ONE_GPU)
+	$(TIMED) simgpu-2gpu notebooks -- $(SIMGPU_FULL_NODE)
+	$(TIMED) simgpu-cpu notebooks -- $(SIMGPU_CPU_PART)
 
 simgpu-lane: install
 	$(SIMGPU_LANE)

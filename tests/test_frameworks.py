@@ -122,7 +122,7 @@ def test_zero_arithmetic():
 
 def test_patience_and_top5_in_a_real_run():
     """Seed 000's early stopping and seed 001's top-5 accuracy in a run that learns (train_single). Every trainer's
-    --patience stops its run: test_matrix.py's test_patience_stops_every_trainer, with a control that ignores it;
+    --patience stops its run: test_matrix.py's test_every_option_is_read_or_refused, with a control that ignores it;
     every distributed trainer's top-5 accuracy is asserted in each case of test_matrix."""
     from tutorial import train_single
     from tutorial.core.metrics import patience_exhausted

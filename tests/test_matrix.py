@@ -6,10 +6,13 @@ CNN without BatchNorm, constant lr without warm-up or scaling so that the only d
 global batch of 64 is computed. Each distributed run is compared with one process at that global batch and the same
 option (parameters after the epoch's 23 optimizer steps, and the test loss, Lightning's included):
 
-- grad_accum 2: 2 ranks x 16 x 2 micro-batches. 719 samples per rank leave a last group of ONE micro-batch of 15
-  samples, so the weighting of an uneven last group is under test (1 / grad_accum would halve its gradient).
-- schedule: the same accumulation under warm-up (half an epoch) and cosine decay: the lr of optimizer step k is the
-  one process's lr of step k (Lightning's LambdaLR steps once per optimizer step, the others map the micro-batch).
+- schedule: 2 ranks x 16 x 2 micro-batches under warm-up (0.9 of the epoch) and cosine decay. 719 samples per rank
+  leave a last group of ONE micro-batch of 15 samples, so the weighting of an uneven last group is under test
+  (1 / grad_accum would halve its gradient), and the lr of optimizer step k must be the one process's lr of step k
+  (Lightning's LambdaLR steps once per optimizer step, the others map the micro-batch). The warm-up is long so that
+  the last step, the uneven group's, still has 40 % of the peak lr: after half an epoch of warm-up the cosine is at 2 %
+  there, and a wrong weighting moved the parameters only 5.5e-5, too close to FP32_TOL to be a control. (A separate
+  constant-lr grad_accum case ran the same accumulation against the same reference; its control runs on this case.)
 - clip_grad 0.1 (below the gradient norm of every step, so every step clips), channels_last: 2 ranks x 32.
 - bf16: 2 ranks x 32. Autocast's bf16 rounds differently for a batch of 32 than for 64, so DDP is held to a looser
   tolerance against one process, and every other trainer to DDP's bf16 run at the same 2 x 32.
@@ -62,8 +65,7 @@ BF16_LOSS = {"ddp": 0.02, "horovod": 1e-4, "lightning": 1e-4, "fsdp": 1e-4, "dee
 
 # option -> (config changes of every run, per-rank batch, accumulation)
 OPTIONS = {
-    "grad_accum": (dict(), 16, 2),
-    "schedule": (dict(schedule="cosine", warmup_epochs=0.5), 16, 2),
+    "schedule": (dict(schedule="cosine", warmup_epochs=0.9), 16, 2),
     "clip_grad": (dict(clip_grad=0.1), 32, 1),
     "channels_last": (dict(channels_last=True), 32, 1),
     "bf16": (dict(precision="bf16"), 32, 1),
@@ -206,17 +208,18 @@ def test_the_matrix_can_fail(reference, cluster, request, tmp_path):
     loss_gap = abs(fp32["test_loss"] - bf16_metrics["test_loss"])
     print(f"fp32 vs bf16 (DDP 2 x 32): {max_difference(tmp_path / 'fp32', bf16):.3g}, test loss gap {loss_gap:.3g}")
     assert max_difference(tmp_path / "fp32", bf16) > max(BF16_TOL.values())
-    for what, option in (("weighting", "grad_accum"), ("schedule", "schedule")):
+    for what in ("weighting", "schedule"):
         out = tmp_path / what
-        cluster.run(the_old_ways, train_ddp.main, case_config(option, out), what)
-        difference = max_difference(out, reference(option)[0])
-        print(f"{option} done the old way ({what}): {difference:.3g}")
+        cluster.run(the_old_ways, train_ddp.main, case_config("schedule", out), what)
+        difference = max_difference(out, reference("schedule")[0])
+        print(f"accumulation done the old way ({what}): {difference:.3g}")
         assert difference > 100 * FP32_TOL, what
 
 
-# Every option is read or refused (issue 31): test_every_option_is_read_or_refused runs each trainer once with a
-# config that notes which fields the trainer's own code reads, itself or through the core functions it calls
-# (observe.fields_read in tests/observe.py: RunLog's reads for its record do not count), and asks ignored_options.
+# Every option is read or refused (issue 31), and --patience stops every trainer: test_every_option_is_read_or_refused
+# runs each trainer once with a config that notes which fields the trainer's own code reads, itself or through the
+# core functions it calls (observe.fields_read in tests/observe.py: RunLog's reads for its record do not count), asks
+# ignored_options, and checks from the same run's metrics that --patience 1 stopped it (one engine run per trainer).
 NOT_READ_BY_DESIGN = {
     "data_dir": "read by core.data for the datasets on disk (mnist, cifar10, imagefolder), not for digits",
     "generated": "read by core.data for the datasets on disk, in place of their files",
@@ -226,7 +229,11 @@ NOT_READ_BY_DESIGN = {
 }
 EVERY_TRAINER = ["single", "dp", *(pytest.param(c.values[0], marks=c.marks, id=c.values[0])
                                    for c in CASES if c.values[1] == "clip_grad")]
-OPTION_CHECK = BASE.replace(schedule="cosine", warmup_epochs=0.5, quiet=True)  # both lr branches
+# Both lr branches (warm-up, then cosine), and seed 000's early stopping: an lr of 1e-30 leaves every weight as it was
+# (far below a float32 step of any of them), so epoch 1's test loss equals epoch 0's and --patience 1 stops the run
+# after 2 of its 3 epochs (of 6 steps each, or 3 on 2 ranks).
+OPTION_CHECK = BASE.replace(schedule="cosine", warmup_epochs=0.5, epochs=3, patience=1, lr=1e-30, batch_size=256,
+                            quiet=True)
 
 
 def ignored_options(stage: str, read: set) -> set:
@@ -265,44 +272,34 @@ def doctored(stage: str, changes: dict, folder: Path, monkeypatch):
 
 
 def test_the_option_check_can_fail(tmp_path, monkeypatch):
-    """The option check on a copy of train_single that builds the cnn whatever --model says (the core's RunLog still
-    reads the model for its record: the old check counted that read), iterates its loader without the run log's
-    --progress bar, and reads --zero-stage, which it refuses (a wrong refusal)."""
+    """The checks of test_every_option_is_read_or_refused on a copy of train_single that builds the cnn whatever
+    --model says (the core's RunLog still reads the model for its record: the old check counted that read),
+    iterates its loader without the run log's --progress bar, reads --zero-stage, which it refuses (a wrong refusal),
+    and skips its patience check (so it runs all 3 epochs)."""
     from observe import fields_read
     main = doctored("single", {"build_model(cfg.model, info)": 'build_model("cnn", info)',
                                "enumerate(loop.log.bar(loader, epoch))": "enumerate(loader)",
-                               "torch.manual_seed(cfg.seed)": "torch.manual_seed(cfg.seed + 0 * cfg.zero_stage)"},
+                               "torch.manual_seed(cfg.seed)": "torch.manual_seed(cfg.seed + 0 * cfg.zero_stage)",
+                               'if patience_exhausted(cfg, log.metrics["epochs"]):': "if False:"},
                     tmp_path, monkeypatch)
-    read = fields_read(main, OPTION_CHECK.replace(out=str(tmp_path / "out")))
-    assert ignored_options("single", set(read)) == {"model", "progress", "zero_stage"}
+    read, metrics = fields_read(main, OPTION_CHECK.replace(out=str(tmp_path / "out")))
+    assert ignored_options("single", set(read)) == {"model", "patience", "progress", "zero_stage"}
+    assert len(metrics["epochs"]) == 3  # the patience part of the check fails too
 
 
 @pytest.mark.parametrize("stage", EVERY_TRAINER)
 def test_every_option_is_read_or_refused(stage, request, tmp_path):
-    """Each trainer runs one epoch with a config that notes which fields its own code reads: every field is read,
-    refused by the trainer (config.ONLY_IN) or unread by design (NOT_READ_BY_DESIGN above, with the reason).
-    train_lightning accepted --time-steps and left it unused, train_dp --compile for nothing."""
+    """Each trainer runs with a config that notes which fields its own code reads: every field is read, refused by
+    the trainer (config.ONLY_IN) or unread by design (NOT_READ_BY_DESIGN above, with the reason). train_lightning
+    accepted --time-steps and left it unused, train_dp --compile for nothing. The same run checks --patience 1 (seed
+    000's early stopping): it stopped after its first epoch without a lower test loss."""
     from observe import fields_read
     cfg = OPTION_CHECK.replace(out=str(tmp_path))
     main = importlib.import_module(f"tutorial.train_{stage}").main
-    read = where_it_runs(request, stage, fields_read, main, cfg)
+    read, m = where_it_runs(request, stage, fields_read, main, cfg)
     assert ignored_options(stage, set(read)) == set(), f"train_{stage} accepts and never reads these"
-
-
-@pytest.mark.parametrize("stage", EVERY_TRAINER)
-def test_patience_stops_every_trainer(stage, request, tmp_path, monkeypatch):
-    """--patience 1 (seed 000's early stopping) stops every trainer after its first epoch without a lower test loss.
-    An lr of 1e-30 leaves every weight as it was (far below a float32 step of any of them), so epoch 1's test loss
-    equals epoch 0's and the run stops after 2 of its 3 epochs (of 6 steps each, or 3 on 2 ranks). Negative
-    control: a copy of train_single that skips its patience check runs all 3."""
-    cfg = BASE.replace(epochs=3, patience=1, lr=1e-30, batch_size=256, quiet=True)
-    m = where_it_runs(request, stage, importlib.import_module(f"tutorial.train_{stage}").main, cfg)
     losses = [e["test_loss"] for e in m["epochs"]]
     assert len(losses) == 2 and losses[0] == losses[1], losses
-    if stage == "single":
-        ignoring = doctored("single", {'if patience_exhausted(cfg, log.metrics["epochs"]):': "if False:"}, tmp_path,
-                            monkeypatch)
-        assert len(ignoring(cfg)["epochs"]) == 3
 
 
 def test_micro_batch_weight_counts_samples_in_the_group():
