@@ -27,7 +27,8 @@ NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_
 # record of every process group checked against README's allocation table). All but the four named below run as a
 # one-GPU attendee's (the row most attendees have, and the one with most branches: ranks sharing the GPU over gloo,
 # or moved to the CPU); the notebooks whose lessons change with NCCL (08's plain Lightning script, 10's flight
-# recorder) run again as a full node's. The workshop-cpu preset, so that the workshop preset's code paths run too
+# recorder) run again as a full node's, only the cells whose groups change with it (tests/simgpu/lane.py
+# FULL_NODE_CELLS: 8 min for both notebooks whole, under load). The workshop-cpu preset, so that the workshop preset's code paths run too
 # (what the workshop-cpu lane on the CPU did before: the ranks that the allocation moves to the CPU still run it
 # there).
 # --nbval-lax: every assert holds, outputs are not compared (the allocation lines differ from the stored ones).
@@ -50,7 +51,7 @@ FULL_NODE_NOTEBOOKS ?= notebooks/08_lightning.ipynb notebooks/10_when_things_go_
 # JUnit XML of one pytest run, beside the lane times (scripts/suite_times.py reads both).
 junit = --junitxml=$(TIMES)/$(1).xml -o junit_family=xunit2
 SIMGPU_ONE_GPU = env TUTORIAL_SIMGPU=1 $(SIMGPU) $(call junit,simgpu-1gpu) $(ONE_GPU_NOTEBOOKS)
-SIMGPU_FULL_NODE = env TUTORIAL_SIMGPU=2 $(SIMGPU) $(call junit,simgpu-2gpu) $(FULL_NODE_NOTEBOOKS)
+SIMGPU_FULL_NODE = env TUTORIAL_SIMGPU=2 TUTORIAL_SIMGPU_CELLS=full-node $(SIMGPU) $(call junit,simgpu-2gpu) $(FULL_NODE_NOTEBOOKS)
 SIMGPU_CPU_PART = env TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax $(CPU_LANE_NOTEBOOKS) \
 	--nbval-cell-timeout $(NBVAL_TIMEOUT) $(call junit,simgpu-cpu)
 SIMGPU_LANE = $(SIMGPU_ONE_GPU) && $(SIMGPU_FULL_NODE) && $(SIMGPU_CPU_PART)

@@ -35,6 +35,23 @@ PROMISES = {
 }
 
 
+# The full-node run (TUTORIAL_SIMGPU=2, TUTORIAL_SIMGPU_CELLS=full-node) executes only the cells whose groups or
+# promises change when every rank has a GPU of its own, and the cells they need; the one-GPU run executes every cell.
+# Measured 2026-11-29 (the record of a whole 2-GPU run): 08 made NCCL groups in [13]-[24] and [33] only, 10 in
+# [49]-[51] only; every other group was gloo, typed by a cell or given the CPU, the same under any GPU count.
+FULL_NODE_CELLS = {
+    # up to [34]: the engines' Lightning and DDP runs and the plain script under torchrun, all on NCCL; [54] stops.
+    # Left out: the profiler in this kernel on one device [26]-[27], the in-kernel trainer and CPU launches
+    # [36]-[40], the recipes' text [42]-[44], the exercises on CPU tensors [48]-[52].
+    "08_lightning": [*range(0, 26), *range(28, 35), 54],
+    # [1] starts the engines; [45]-[52] the flight recorder's variables and the NCCL groups of a killed rank's run
+    # resumed on restarted engines (lane PROMISES); [69]-[86] the exercise checkers' gloo groups beside them (a freed
+    # NCCL group's address once read a gloo group as NCCL there), and the stop. Left out: the gloo groups typed by
+    # hand in [3]-[43] and the launches hidden from the GPUs (CUDA_VISIBLE_DEVICES=) in [47] and [54]-[67].
+    "10_when_things_go_wrong": [*range(0, 3), 45, *range(48, 53), *range(68, 88)],
+}
+
+
 def groups(entries: list[dict]) -> dict[str, list[dict]]:
     by = defaultdict(list)
     for e in entries:
@@ -117,6 +134,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("TUTORIAL_SIMGPU_CELLS") == "full-node":
+        kept = [i for i in items if _cell_index(i) in FULL_NODE_CELLS.get(Path(str(i.fspath)).stem, [_cell_index(i)])]
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
     for item in items:
         if str(item.fspath).endswith(".ipynb"):
             _last[Path(str(item.fspath)).stem] = item.nodeid
