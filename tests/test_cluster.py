@@ -5,6 +5,7 @@ Every test stops what it starts; the process table is checked after each cluster
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,7 +21,7 @@ import tutorial.train_ddp as train_ddp
 from conftest import needs_horovod, needs_mpi
 
 from tutorial.core.config import TrainConfig
-from tutorial.launch import child_processes, engine_runs
+from tutorial.launch import child_processes, engine_cluster, engine_runs
 from tutorial.launch.engines import STOP_GRACE_S, ClusterError, EngineTimeout, RankError
 
 
@@ -261,6 +262,66 @@ def test_interrupt_of_code_that_never_looks_at_the_stop_flag_ends_it_with_a_keyb
     finally:
         signal.signal(signal.SIGINT, previous)
     assert local.run(helpers.sleep, 0) == pids[0] and [e.pid for e in local.engines] == pids
+
+
+def unbounded_new_master_port(self):
+    """Cluster.new_master_port before issue 48 (the negative control): apply_sync, which waits without a bound."""
+    from tutorial.core.distributed import hold_port
+    port = self.master_port = self.client[self.engines[0].engine_id].apply_sync(hold_port)
+    self.view.apply_sync(engine_cluster._setenv, {"MASTER_PORT": str(port)})
+    return port
+
+
+def test_an_engine_busy_with_another_task_is_named_within_the_bound_and_an_interrupt_frees_it(local, monkeypatch):
+    """A task left on an engine (a %%px --noblock cell, a view.apply_async) held run() until it ended, without a word
+    (278 s in issue 48), and an Interrupt there was lost: ipyparallel's blocking apply returns when interrupted, and
+    the run queued behind the task. Now run() fails within ENGINE_CALL_S naming the busy rank, its pid and what it
+    runs; an Interrupt while it waits stops that task, and the next run starts on the same engines. Negative control:
+    with the port asked for as before (apply_sync, no bound), the same run waits for the whole task without a word,
+    the Interrupt meanwhile lost."""
+    monkeypatch.setattr(engine_cluster, "ENGINE_CALL_S", 2.0)  # where Cluster._ask reads it
+    busy, pids = local.engines[1], [e.pid for e in local.engines]
+    who = f"rank 1 (engine {busy.engine_id}, pid {busy.pid} on {busy.host})"
+    timers = []
+
+    def interrupt_in(seconds: float) -> None:  # SIGINT to the main thread, as the kernel gets JupyterLab's Interrupt
+        timers.append(threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)))
+        timers[-1].start()
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel (see the test above)
+    left = local.client[busy.engine_id].apply_async(time.sleep, 30)  # what a new user leaves behind
+    try:
+        start = time.monotonic()
+        with pytest.raises(EngineTimeout, match="did not answer within 2 s") as info:
+            local.run(os.getpid)
+        named = time.monotonic() - start
+        assert f"{who} is busy with time.sleep, sent " in str(info.value) and "rank 0" not in str(info.value)
+        assert "send_signal('SIGINT'" in str(info.value) and "cluster.restart()" in str(info.value)
+        assert (info.value.rank, info.value.pid) == (1, busy.pid) and not left.ready()
+        interrupt_in(1.0)
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt, match=rf"interrupted while waiting for the engines .*: {re.escape(who)} "
+                                                    r"is busy with time\.sleep, sent \d+ s ago; SIGINT stopped it: "
+                                                    r"the engines are ready for the next cell$"):
+            local.run(os.getpid)
+        freed = time.monotonic() - start
+        with pytest.raises(Exception, match="KeyboardInterrupt"):  # the task the Interrupt stopped
+            left.get(0)
+        assert local.run(os.getpid) == pids[0] and [e.pid for e in local.engines] == pids  # no restart was needed
+        print(f"busy engine named after {named:.1f} s; Interrupt -> freed after {freed - 1.0:.1f} s")
+        assert named < 2.0 + 3.0 and freed < 1.0 + 3.0
+        # The negative control, the port asked for as before: the run waits for the whole task, the Interrupt lost.
+        monkeypatch.setattr(engine_cluster.Cluster, "new_master_port", unbounded_new_master_port)
+        left, start = local.client[busy.engine_id].apply_async(time.sleep, 4), time.monotonic()
+        interrupt_in(1.0)
+        assert local.run(os.getpid) == pids[0] and time.monotonic() - start > 3.5 and left.get(0) is None
+    finally:
+        for timer in timers:
+            timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+        if not left.ready():
+            local.client.send_signal("SIGINT", targets=[busy.engine_id], block=True)
+            left.wait(10)
 
 
 def test_functions_defined_in_a_notebook_run_on_the_engines(local):

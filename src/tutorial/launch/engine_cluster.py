@@ -3,7 +3,8 @@
 start() (tutorial.launch.engines) checks its options (engine_options), then reuses or launches a Cluster here. Every
 process the cluster starts carries its tag (child_processes), and a reaper (tutorial.launch.reaper) stops them when the
 kernel goes. run() and what follows a failed run come from engine_runs.Runs; the functions at the end run on the
-engines.
+engines. Every call the Cluster makes on its engines for itself (not run()'s function, which _collect bounds) goes
+through Cluster._ask, which bounds it and names an engine that does not answer, with what keeps it busy.
 """
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ from .engine_runs import EngineTimeout, RankError, Runs, bounded_magics
 # course bounds it, rendezvous and collectives alike, unless the cell passes its own timeout=: a rank whose peer never
 # comes (a mistyped rank condition, a peer that raised first) raises after this many seconds.
 RENDEZVOUS_BOUND_S = 120.0
+# The course's own calls on the engines (a port, an environment variable, a ping) take milliseconds on an idle engine:
+# one that has not answered within this many seconds is busy with something else (a %%px --noblock cell, a
+# view.apply_async left running), and waiting longer would only hide that (a 280-s task once held run() for 278 s
+# without a word). 10 s leaves room for a loaded 2-core CI machine. The start's own calls (_probe imports torch, a
+# minute on a slow network file system) have the start's timeout instead.
+ENGINE_CALL_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,7 @@ class Cluster(Runs):
         self.client = self.view = self._reaper = None
         self.master_addr, self.master_port = "127.0.0.1", None  # the engines' rendezvous (new_master_port)
         self.env: dict = {}  # what setenv() set: every engine gets it again after a restart
+        self._withdrawn: set = set()  # our calls that a busy engine did not take in time (_ask), still in its queue
         self._stopped = False
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -114,7 +122,7 @@ class Cluster(Runs):
 
     def _assign_ranks(self, ids: list) -> None:
         """Rank, local rank and world size for every engine; MPI engines keep their MPI rank (Horovod's)."""
-        infos = dict(zip(ids, self.client[ids].apply_sync(_probe)))
+        infos = dict(zip(ids, self._ask(_probe, [(i, ()) for i in ids], "pid, host and GPUs", self.request.timeout)))
         without = sorted({infos[i]["host"] for i in ids if not infos[i]["gpus"]})
         if self.use_cuda and without:  # engines on other nodes: only now do we know their GPUs
             if self.request.device == "cuda":
@@ -132,9 +140,11 @@ class Cluster(Runs):
                                   mpi_rank=infos[i]["mpi_rank"])
                 env = dict(self.env, RANK=str(info.rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(self.n),
                            LOCAL_WORLD_SIZE=str(len(members)), MASTER_ADDR=master_addr)
-                pending.append((info, self.client[i].apply_async(_configure, env, self.use_cuda)))
-        for info, configured in pending:
-            info.device, info.gpu, info.threads = configured.get(self.request.timeout)
+                pending.append((info, (env, self.use_cuda)))
+        configured = self._ask(_configure, [(info.engine_id, args) for info, args in pending], "their rank and GPU",
+                               self.request.timeout)
+        for (info, _), answer in zip(pending, configured):
+            info.device, info.gpu, info.threads = answer
         self.engines = sorted((info for info, _ in pending), key=lambda e: e.rank)
         seen = {}
         for e in self.engines:  # more engines than GPUs on a node, or a launcher's GPU binding gone wrong
@@ -182,7 +192,7 @@ class Cluster(Runs):
         self._require_running()
         values = {str(k): str(v) for k, v in values.items()}
         self.env.update(values)
-        self.view.apply_sync(_setenv, values)
+        self._ask(_setenv, [(e.engine_id, (values,)) for e in self.engines], f"setenv({', '.join(values)})")
 
     def new_master_port(self) -> int:
         """Give every engine a new MASTER_PORT for the next process group, made by hand in a %%px cell (03), by
@@ -192,10 +202,11 @@ class Cluster(Runs):
         rendezvous on the store of the previous one would find its keys. run() calls it before every run."""
         self._require_running()
         from ..core.distributed import hold_port  # imports torch: not before a cluster runs
-        port = self.master_port = self.client[self.engines[0].engine_id].apply_sync(hold_port)
-        self.view.apply_sync(_setenv, {"MASTER_PORT": str(port)})
+        [port] = self._ask(hold_port, [(self.engines[0].engine_id, ())], "a port to hold for the next process group")
+        self.master_port = port
+        self._ask(_setenv, [(e.engine_id, ({"MASTER_PORT": str(port)},)) for e in self.engines],
+                  "the MASTER_PORT of the next process group")
         return port
-
 
     def restart(self) -> None:
         """Fresh engine processes (new pids, nothing left from earlier runs), same n, same controller."""
@@ -242,10 +253,42 @@ class Cluster(Runs):
             ids = [e.engine_id for e in self.engines]
             if not set(ids) <= set(self.client.ids):
                 return False
-            self.client[ids].apply_async(os.getpid).get(min(10.0, self.request.timeout))
+            self._ask(os.getpid, [(i, ()) for i in ids], "a ping")
             return True
         except Exception:  # noqa: BLE001 - gone, busy or broken: any of them means start afresh
             return False
+
+    # ------------------------------------------------------------------------------------------ calls to the engines
+    def _ask(self, fn, calls: list, what: str, timeout: float | None = None) -> list:
+        """fn(*args) on each engine of `calls` ([(engine id, args), ...]) at once; their answers, in that order. Every
+        call the Cluster makes on its engines for itself comes here (a run's own function has run_timeout, in
+        _collect), so that none waits without a bound: an engine that has not answered within `timeout` (default
+        ENGINE_CALL_S, at most the start's timeout) raises EngineTimeout naming it and what keeps it busy (`what` says
+        what it was asked for; the call is withdrawn from its queue). An Interrupt while this waits stops what keeps
+        it busy (SIGINT, else a restart) and says so (Runs._free_busy)."""
+        import ipyparallel as ipp
+        timeout = min(ENGINE_CALL_S, self.request.timeout) if timeout is None else timeout
+        asked = [(i, self.client[i].apply_async(fn, *args)) for i, args in calls]
+        deadline = time.monotonic() + timeout
+        try:
+            return [answer.get(max(0.0, deadline - time.monotonic())) for _, answer in asked]
+        except ipp.error.TimeoutError:
+            waiting = [(i, answer) for i, answer in asked if not answer.ready()]
+            busy, ids = self._busy(waiting), [i for i, _ in waiting]
+            with contextlib.suppress(Exception):  # an engine that is gone has no queue to withdraw it from
+                self.client.abort([answer for _, answer in waiting], targets=ids, block=False)
+            self._withdrawn.update(msg_id for _, answer in waiting for msg_id in answer.msg_ids)
+            it = "it" if len(ids) == 1 else "them"
+            error = EngineTimeout(f"engines did not answer within {timeout:g} s (asked: {what}): {busy}. Wait for {it} "
+                                  f"to end, stop {it} with cluster.client.send_signal('SIGINT', targets={ids}) (or "
+                                  f"Interrupt while this waits), or cluster.restart() for fresh engines (their "
+                                  f"variables are lost)")
+            first = self._engine(ids[0])
+            if first is not None:
+                error.rank, error.host, error.pid = first.rank, first.host, first.pid
+            raise error from None
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(self._free_busy([(i, a) for i, a in asked if not a.ready()], what)) from None
 
     def _require_running(self) -> None:
         if self._stopped:

@@ -3,10 +3,13 @@
 A run ends in one of three ways, each said in one error or line: every rank returned (rank 0's result, every rank's in
 `results`); a rank raised, died or hung (RankError or EngineTimeout naming the rank, then the engines are restarted
 or stopped); or the notebook was interrupted (every rank is stopped as on a SIGTERM, else by a KeyboardInterrupt,
-else by a restart). `Runs` is mixed into engine_cluster.Cluster; what a run runs on every engine is at the end.
+else by a restart). An engine still busy with another task when a run starts is named, with that task, within
+engine_cluster.ENGINE_CALL_S (EngineTimeout); an Interrupt while run() waits for it stops that task. `Runs` is mixed
+into engine_cluster.Cluster; what a run runs on every engine is at the end.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import signal
@@ -47,9 +50,10 @@ class EngineTimeout(RankError, TimeoutError):
 
 
 class Runs:
-    """Cluster.run and what follows a run that failed, hung or was interrupted. Mixed into engine_cluster.Cluster,
-    whose state it reads: engines (in rank order), client, view, request (run_timeout, on_failure), master_addr and
-    master_port; and whose lifecycle it calls: new_master_port(), restart(), stop(), _require_running()."""
+    """Cluster.run and what follows a run that failed, hung or was interrupted, or a call that an engine busy with
+    another task did not answer (_busy, _free_busy, for Cluster._ask). Mixed into engine_cluster.Cluster, whose state
+    it reads: engines (in rank order), client, view, request (run_timeout, on_failure), master_addr, master_port and
+    _withdrawn; and whose lifecycle it calls: new_master_port(), restart(), stop(), _require_running()."""
 
     def run(self, fn, *args, timeout: float | None = None, fresh: bool = False, **kwargs):
         """Run fn(*args, **kwargs) on every engine at once and return rank 0's result (03, 05).
@@ -59,6 +63,8 @@ class Runs:
         printed here; every rank's result is in `self.results`. An exception on any rank raises RankError with its
         rank and traceback; a run longer than timeout (default: start's run_timeout) raises EngineTimeout. After a
         death or a timeout the engines are restarted (or stopped) first. fresh=True restarts them before the run.
+        An engine still busy with another task raises EngineTimeout within engine_cluster.ENGINE_CALL_S, naming it
+        and that task, before anything runs.
         """
         self._require_running()
         if not callable(fn):
@@ -68,11 +74,16 @@ class Runs:
                                f"start the cluster with engines='mpi'")
         if fresh:
             self.restart()
-        self.new_master_port()
-        result = self.view.apply_async(_run_interruptibly, fn, args, kwargs)
+        result = None
         try:
+            # Every engine takes the new port first: one still busy with another task (a %%px --noblock cell, an
+            # apply_async) is named within Cluster._ask's bound, and an Interrupt while it waits frees it there.
+            self.new_master_port()
+            result = self.view.apply_async(_run_interruptibly, fn, args, kwargs)
             self.results = self._collect(result, self.request.run_timeout if timeout is None else timeout)
         except KeyboardInterrupt:  # the notebook's Interrupt: stop the engines' run too, then say what happened
+            if result is None:  # while the engines were asked for the port: _ask has freed them and says how
+                raise
             raise KeyboardInterrupt(self._interrupt(result, _name(fn))) from None
         return self.results[0]
 
@@ -170,6 +181,64 @@ class Runs:
         return (f"{what} {why} and did not stop within {FAILURE_GRACE_S:g} s of SIGINT on {stuck}"
                 + (f" ({raised}, above)" if raised else "") + ". " + self._recover()
                 + " Their variables are gone: run the cells that set them again.")
+
+    def _free_busy(self, waiting: list, what: str) -> str:
+        """After an Interrupt while _ask waited for `waiting` ([(engine id, our call)]): SIGINT stops what keeps those
+        engines busy (as ipyparallel's %%px magic does), and they take our call; those that do not within
+        FAILURE_GRACE_S are replaced (_recover). One line says which."""
+        if not waiting:  # the answers had just come
+            return f"interrupted while the engines were asked for {what}; they had answered: {READY}"
+        busy, ids = self._busy(waiting), [i for i, _ in waiting]
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        try:
+            self.client.send_signal("SIGINT", targets=ids, block=False)
+            stopped = all(answer.wait(max(0.0, deadline - time.monotonic())) for _, answer in waiting)
+        except KeyboardInterrupt:  # pressed again: replace them at once
+            stopped = False
+        except Exception as exc:  # noqa: BLE001 - an engine (or its nanny) is gone: replace them below
+            log.warning("signalling the engines: %r", exc)
+            stopped = False
+        said = f"interrupted while waiting for the engines (asked: {what}): {busy}"
+        it = "it" if len(waiting) == 1 else "them"
+        if stopped:
+            return f"{said}; SIGINT stopped {it}: {READY}"
+        return f"{said}; SIGINT did not stop {it} within {FAILURE_GRACE_S:g} s. " + self._recover()
+
+    def _busy(self, waiting: list) -> str:
+        """The engines of `waiting` ([(engine id, our call)]), each with what keeps it busy: the oldest task the
+        controller has queued on it besides ours (a %%px cell's code, a function's name), how long ago it was sent,
+        and how many wait behind it. From ipyparallel's queue_status and its task database (a controller
+        started with NoDB keeps no tasks: then only how many)."""
+        self._withdrawn &= self.client.outstanding  # those still queued behind a task
+        ours = self._withdrawn | {msg_id for _, answer in waiting for msg_id in answer.msg_ids}
+        ids = [i for i, _ in waiting]
+        try:
+            queues = self.client.queue_status(targets=ids, verbose=True)
+            pending = {i: [m for m in queues[i]["queue"] + queues[i]["tasks"] if m not in ours] for i in ids}
+        except Exception as exc:  # noqa: BLE001 - the description is a courtesy; the timeout stands without it
+            log.warning("asking the controller for the engines' queues: %r", exc)
+            pending = {i: [] for i in ids}
+        records = {}
+        first = [queue[0] for queue in pending.values() if queue]
+        if first:
+            with contextlib.suppress(Exception):
+                records = {r["msg_id"]: r for r in self.client.db_query(
+                    {"msg_id": {"$in": first}}, keys=["header", "content", "buffers", "submitted"])}
+        parts = []
+        for i in ids:
+            e = self._engine(i)
+            who = f"rank {e.rank} (engine {i}, pid {e.pid} on {e.host})" if e else f"engine {i}"
+            queue = pending[i]
+            if not queue:
+                parts.append(f"{who}, which runs no other task: stuck in this call, or its process is stopped")
+                continue
+            behind = f", {len(queue) - 1} more queued behind it" if len(queue) > 1 else ""
+            parts.append(f"{who} is busy with {_task(records.get(queue[0]))}{behind}")
+        return "; ".join(parts)
+
+    def _engine(self, engine_id: int):
+        """The EngineInfo of an engine id; None for one that has no rank yet (while the engines start)."""
+        return next((e for e in self.engines if e.engine_id == engine_id), None)
 
     def _raised(self, result) -> str:
         """The errors of the ranks that finished before the others got stuck (often the cause: a rank that raised
@@ -274,6 +343,29 @@ def _name(fn) -> str:
     module = getattr(fn, "__module__", "") or ""
     qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
     return qualname if module == "__main__" else f"{module.rsplit('.', 1)[-1]}.{qualname}"
+
+
+def _task(record: dict | None) -> str:
+    """A task of the controller's database in a few words: a %%px cell's code (its start) or the function's name,
+    and how long ago it was sent. The function is unpickled here, where it was pickled, not called."""
+    if record is None:
+        return "a task sent before"
+    header = record.get("header") or {}
+    if header.get("msg_type") == "execute_request":
+        code = "; ".join(line.strip() for line in (record.get("content") or {}).get("code", "").splitlines()
+                         if line.strip())
+        what = f"the cell `{code if len(code) <= 60 else code[:57] + '...'}`"
+    else:
+        try:
+            from ipyparallel.serialize import deserialize_object
+            what = _name(deserialize_object(record["buffers"])[0])
+        except Exception:  # noqa: BLE001 - a function this process cannot import, a database without buffers
+            what = "a function sent by apply"
+    try:
+        from ipyparallel.util import utcnow
+        return f"{what}, sent {(utcnow() - record['submitted']).total_seconds():.0f} s ago"
+    except Exception:  # noqa: BLE001 - no date: the name alone
+        return what
 
 
 def _needs_mpi_ranks(fn) -> bool:
