@@ -64,7 +64,7 @@ FLOOR_TESTS = tests/test_distributed.py tests/test_step_agreement.py tests/test_
 	tests/test_gpu_check.py::test_the_cpu_rehearsal_of_stage_1
 FLOOR_LANE = .venv-floor/bin/python -m pytest $(FLOOR_TESTS) $(call junit,floor)
 
-.PHONY: help install lab hub test test-unit test-notebooks unit nbval simgpu-lane floor-lane notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
+.PHONY: help install lab hub test test-unit test-notebooks unit nbval simgpu-lane floor-lane host-syncs notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
 
 help:
 	@echo "make lab        set up if needed, then JupyterLab on notebooks/ (token auth, prints the URL)"
@@ -130,6 +130,10 @@ simgpu-lane: install
 
 floor-lane: install
 	$(FLOOR_LANE)
+
+# Host syncs per training step of every one-process trainer on a simulated GPU, appended to results/host_syncs.jsonl.
+host-syncs: install
+	cd tests/simgpu && TUTORIAL_SIMGPU=1 PYTHONPATH=. $(CURDIR)/$(BIN)/python -m host_syncs --results $(CURDIR)/results
 
 notebooks: install
 	@bash scripts/run_notebooks.sh

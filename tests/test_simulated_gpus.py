@@ -65,6 +65,127 @@ def test_the_simulation_fails_where_cuda_would():
     assert lines[5] == "cuda:1 True"
 
 
+REFUSALS = """
+    import os, tempfile, numpy as np, torch
+    print("initialised before any CUDA call:", torch.cuda.is_initialized())
+    t = torch.ones(3, device="cuda:1")
+    print("initialised after one:", torch.cuda.is_initialized())
+    for name, call in [("asarray", lambda: np.asarray(t)), ("pin_memory", lambda: t.pin_memory()),
+                       ("cpu pin_memory", lambda: torch.ones(2).pin_memory())]:
+        try:
+            call()
+            print(name, "passed")
+        except (RuntimeError, TypeError) as exc:
+            print(name, "failed:", str(exc).splitlines()[0])
+    path = os.path.join(tempfile.mkdtemp(), "saved.pt")
+    torch.save({"weight": t, "step": torch.zeros(1)}, path)
+    print("loaded on", torch.load(path)["weight"].device, torch.load(path)["step"].device,
+          torch.load(path, map_location="cpu")["weight"].device, torch.load(path, map_location="cuda:0")["weight"].device)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            torch.ones(1, device="cuda")
+            print("forked child passed")
+        except RuntimeError as exc:
+            print("forked child failed:", str(exc)[:46])
+        os._exit(0)
+    os.waitpid(pid, 0)
+"""
+
+
+def test_the_simulation_refuses_what_cuda_refuses_beyond_devices(tmp_path):
+    """What CUDA refuses that the simulation once accepted (review 6 §4): a CUDA tensor to numpy through
+    np.asarray (what matplotlib and pandas do with a metric left on the GPU), pin_memory of a CUDA tensor (a loader
+    pinning batches already on the GPU), CUDA in a child forked after CUDA was initialised; is_initialized() is False
+    until the first call that needs a context; torch.load without map_location puts a tensor back on the GPU it was
+    saved from (so ranks resuming without one pile onto rank 0's GPU), with map_location where it says."""
+    out = python(REFUSALS, gpus=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [
+        "initialised before any CUDA call: False", "initialised after one: True",
+        "asarray failed: can't convert cuda:1 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host "
+        "memory first. (simulated GPUs)",
+        "pin_memory failed: cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned (simulated GPUs)",
+        "cpu pin_memory passed", "loaded on cuda:1 cpu cpu cuda:0",
+        "forked child failed: Cannot re-initialize CUDA in forked subprocess"], out.stdout
+    saved = tmp_path / "saved_on_1.pt"
+    fewer = python(f"""
+        import torch
+        torch.save(torch.ones(1, device="cuda:1"), {str(saved)!r})
+    """, gpus=2)
+    assert fewer.returncode == 0, fewer.stderr[-2000:]
+    one = python(f"""
+        import torch
+        try:
+            torch.load({str(saved)!r})
+        except RuntimeError as exc:
+            print(str(exc).split(". ")[0])
+        print(torch.load({str(saved)!r}, map_location="cuda").device)
+    """, gpus=1)
+    assert one.stdout.splitlines() == ["Attempting to deserialize object on CUDA device 1 but "
+                                       "torch.cuda.device_count() is 1", "cuda:0"], one.stdout + one.stderr[-2000:]
+
+
+PRECISIONS = r"""
+    import json, sys, tempfile
+    sys.path.insert(0, sys.argv[1])
+    from observe import run_observed
+    from tutorial import train_single
+    from tutorial.core.config import TrainConfig
+    seen = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        cfg = TrainConfig.preset("smoke").replace(epochs=1, max_steps=3, quiet=True, precision=precision,
+                                                  out=tempfile.mkdtemp())
+        seen[precision] = run_observed(train_single.main, cfg)["observed"]["dtypes"]
+    print(json.dumps(seen))
+"""
+
+
+def test_autocast_on_a_simulated_gpu_computes_in_the_dtype_a_gpu_gives():
+    """--precision bf16 and fp16 on a simulated GPU compute in bfloat16 and float16 (autocast("cuda") as CPU
+    autocast with that dtype), so their branches, GradScaler's included, run as on a GPU; fp32 is the control."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(PRECISIONS), str(ROOT / "tests")], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, env=simulated(1))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {"fp32": ["float32"], "bf16": ["bfloat16"],
+                                                       "fp16": ["float16"]}
+
+
+HOST_SYNCS = r"""
+    import importlib.util, json, pathlib, sys
+    import host_syncs
+    from tutorial import train_single
+    rows = {stage: host_syncs.measure(importlib.import_module(f"tutorial.train_{stage}").main, host_syncs.config(stage))
+            for stage in host_syncs.STAGES}
+    # the planted bug: the loss read on the host at every step, as a progress print would
+    source = pathlib.Path(train_single.__file__).read_text()
+    assert source.count("        totals[SAMPLES] += len(y)\n") == 1
+    doctored = pathlib.Path(sys.argv[1]) / "train_single_item.py"
+    doctored.write_text(source.replace("        totals[SAMPLES] += len(y)\n",
+                                       "        totals[SAMPLES] += len(y)\n        print(f'loss {loss.item():.3f}')\n"))
+    spec = importlib.util.spec_from_file_location("tutorial.train_single_item", doctored)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    rows["planted"] = host_syncs.measure(module.main, host_syncs.config("single"))
+    print(json.dumps({stage: [row["per_step"], sorted(row["added"])] for stage, row in rows.items()}))
+"""
+
+
+def test_no_trainer_reads_the_gpu_at_every_step(tmp_path):
+    """Host syncs per training step (tests/simgpu/host_syncs.py; `make host-syncs` records them in results/): every
+    trainer that runs in one process reads the GPU's values only at log steps and epoch ends, 0 per step. Control: a
+    train_single that prints loss.item() at every step makes 1 per step, named by its caller."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(HOST_SYNCS), str(tmp_path)], capture_output=True,
+                         text=True, timeout=600, cwd=ROOT, env=simulated(1))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.splitlines()[-1])
+    assert {stage: row for stage, row in rows.items() if stage != "planted"} == \
+        {stage: [0.0, []] for stage in ("single", "dp", "ddp", "fsdp", "gpt")}, rows
+    assert rows["planted"][0] == 1.0 and rows["planted"][1][0].startswith("tutorial.train_single_item:train_one_epoch:") \
+        and rows["planted"][1][0].endswith(" item"), rows["planted"]
+
+
 NCCL_PAIR = """
     import os, sys, torch, torch.distributed as dist
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
@@ -205,7 +326,7 @@ def test_the_lanes_check_is_readmes_allocation_table():
     assert lane.table_problems(group_of("nccl", *full)) == []
     assert lane.table_problems(group_of("gloo", *full)) == [
         "cell 7: init_process_group of 2 ranks: every rank has a GPU of its own (2 on the node), but the backend is "
-        "gloo (README: one rank per GPU, NCCL)"]
+        "gloo (README: one rank per GPU, NCCL), made by tutorial.train_ddp"]
     assert lane.table_problems(group_of("gloo", *shared)) == []
     assert lane.table_problems(group_of("nccl", *shared)) == ["cell 7: init_process_group of 2 ranks: NCCL with ranks "
                                                               "sharing a GPU"]
@@ -214,3 +335,19 @@ def test_the_lanes_check_is_readmes_allocation_table():
                                                            "that sees no GPU"]
     # a cell's own group (its lesson chose gloo) is not the table's business; a trainer's is
     assert lane.table_problems(group_of("gloo", *full, caller="__main__")) == []
+    # a lesson helper's group is the table's business too, unless the lane names it as gloo on purpose
+    assert lane.table_problems(group_of("gloo", *full, caller="tutorial.lessons.lightning")) != []
+    assert lane.table_problems(group_of("gloo", *full, caller="tutorial.lessons.ranks")) == []
+
+
+def test_the_lanes_check_cannot_pass_empty_or_half_recorded():
+    """A notebook that allocates ranks but recorded no group (its launches lost the simulation), and a group that
+    only some of its ranks recorded (a rank that did not run the simulation is unchecked), fail the lane."""
+    assert lane.problems_of("03b_ddp_trainer", [], allocates=True) == [
+        "its cells allocate ranks, but no process group was recorded: the launches did not run under the simulation "
+        "(PYTHONPATH, TUTORIAL_SIMGPU or TUTORIAL_SIMGPU_RECORD lost?)"]
+    assert lane.problems_of("02_data_parallel", [], allocates=False) == []
+    half = group_of("nccl", [0, 1], 2)[:1]
+    assert lane.table_problems(half) == ["cell 7: init_process_group of 2 ranks: only rank(s) [0] recorded it (every "
+                                         "rank of a group must run the simulation)"]
+    assert lane.problems_of("03b_ddp_trainer", group_of("nccl", [0, 1], 2), allocates=True) == []

@@ -60,30 +60,47 @@ def groups(entries: list[dict]) -> dict[str, list[dict]]:
     return by
 
 
+# Groups made with gloo on purpose by package code, beside the allocation's (README's table holds every other group a
+# module of the package makes; a cell's own init_process_group("gloo") is the cell's choice, typed where it is read).
+DELIBERATE_GLOO = {
+    "tutorial.lessons.ranks": "the exercise checkers run the learner's function on CPU tensors in a gloo group of "
+                              "their own (lessons.ranks.on_every_rank)",
+}
+
+
+def held_to_the_table(caller: str) -> bool:
+    return caller.startswith("tutorial.") and caller not in DELIBERATE_GLOO
+
+
 def table_problems(entries: list[dict]) -> list[str]:
-    """README's table, checked per process group of 2 or more ranks that see a GPU and that a trainer made (the
-    trainers decide the backend by the allocation; a cell that types init_process_group("gloo") chose it, and the
-    exercise checkers run a learner's function on CPU tensors in a gloo group of their own):
+    """README's table, checked per process group of 2 or more ranks that the package made (a trainer, the core, a
+    lesson helper: they decide the backend by the allocation; DELIBERATE_GLOO names the exceptions, and a cell that
+    types init_process_group("gloo") chose it):
     - every rank sees a GPU of its own (node GPUs >= ranks, or one bound per task): NCCL, one rank per GPU;
     - ranks share a GPU (one GPU per attendee): gloo (NCCL refuses; the simulation refuses as NCCL does);
-    - no GPU seen: gloo on the CPU."""
+    - no GPU seen: gloo on the CPU.
+    A group that some of its ranks never recorded is a problem too: a rank that did not load the simulation (its
+    environment lost PYTHONPATH or TUTORIAL_SIMGPU) would go unchecked."""
     problems = []
     for gid, members in groups(entries).items():
         first = members[0]
-        if first["world"] < 2 or len(members) < first["world"] \
-                or not first.get("caller", "").startswith(("tutorial.core.", "tutorial.train_")):
-            continue  # not a trainer's group: a cell's own, or an exercise checker's gloo group for CPU tensors
         where = f"cell {first.get('cell', '?')}: {first['kind']} of {first['world']} ranks"
+        if len(members) < first["world"]:
+            problems.append(f"{where}: only rank(s) {sorted(m['rank'] for m in members)} recorded it (every rank "
+                            f"of a group must run the simulation)")
+            continue
+        caller = first.get("caller", "")
+        if first["world"] < 2 or not held_to_the_table(caller):
+            continue
         own = [m["uuids"][m["current"]] if m["uuids"] else None for m in members]
         if any(u is None for u in own):
             if first["backend"] == "nccl":
                 problems.append(f"{where}: NCCL on a rank that sees no GPU")
             continue
         distinct = len(set(own)) == len(own)
-        if distinct and first["backend"] != "nccl" and first["node_gpus"] >= first["world"] \
-                and not first["env"].get("TUTORIAL_SIMGPU_GLOO_OK"):
+        if distinct and first["backend"] != "nccl" and first["node_gpus"] >= first["world"]:
             problems.append(f"{where}: every rank has a GPU of its own ({first['node_gpus']} on the node), but "
-                            f"the backend is {first['backend']} (README: one rank per GPU, NCCL)")
+                            f"the backend is {first['backend']} (README: one rank per GPU, NCCL), made by {caller}")
         if not distinct and first["backend"] == "nccl":
             problems.append(f"{where}: NCCL with ranks sharing a GPU")
     return problems
@@ -107,8 +124,13 @@ def by_notebook(entries: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
-def problems_of(notebook: str, entries: list[dict]) -> list[str]:
+def problems_of(notebook: str, entries: list[dict], allocates: bool = False) -> list[str]:
+    """What the lane reports for a notebook; `allocates`: its cells ask notebook.allocation for ranks, so its
+    launches must have recorded process groups (a record that is empty means the simulation saw none of them)."""
     problems = table_problems(entries)
+    if allocates and not groups(entries):
+        problems.append("its cells allocate ranks, but no process group was recorded: the launches did not run "
+                        "under the simulation (PYTHONPATH, TUTORIAL_SIMGPU or TUTORIAL_SIMGPU_RECORD lost?)")
     for start, what, applies, check, _ in PROMISES.get(notebook, []):
         for e in entries:
             if e.get("cell", -1) >= start and applies(e) and check(e):
@@ -157,7 +179,9 @@ def pytest_runtest_teardown(item, nextitem):
     yield
     notebook = Path(str(item.fspath)).stem
     if _last.get(notebook) == item.nodeid:
-        problems = problems_of(notebook, by_notebook(read(RECORD)).get(notebook, []))
+        cells = getattr(getattr(item, "parent", None), "nb", {}).get("cells", [])
+        allocates = any("allocation(" in "".join(c.get("source", "")) for c in cells if c.get("cell_type") == "code")
+        problems = problems_of(notebook, by_notebook(read(RECORD)).get(notebook, []), allocates)
         if problems:
             pytest.fail(f"simulated {os.environ.get('TUTORIAL_SIMGPU')} GPU(s), {notebook}:\n  " +
                         "\n  ".join(problems), pytrace=False)

@@ -12,14 +12,29 @@ would. What is simulated, and how:
   UUIDs first and fail as NCCL does when two share one ("Duplicate GPU detected"); a collective given a CPU tensor on
   it fails as NCCL does ("No backend type associated with device type cpu"). get_backend answers "nccl".
 
+What CUDA refuses beyond devices, refused with CUDA's own words: a CUDA tensor to numpy (np.asarray, what matplotlib
+and pandas do with a metric left on the GPU), pin_memory of a CUDA tensor, CUDA in a child forked after the parent
+initialised it (is_initialized() is False until the first call that needs a context, as torch's lazy init), and a
+checkpoint loaded without map_location onto a device this process does not see. torch.save writes a CUDA tensor's
+device into the file and torch.load without map_location puts it back there, as on a GPU node (where every rank that
+resumes without one piles onto the GPU rank 0 saved from).
+
+What is measured: autocast("cuda", dtype) runs as CPU autocast with that dtype, so bf16 and fp16 branches compute in
+the dtypes a GPU gives and GradScaler sees fp16's overflows; host syncs (item, tolist, bool, printing, a blocking copy
+to the host) are counted per caller (host_syncs(); tests/simgpu/host_syncs.py gives them per training step).
+
 Every process group made is recorded, one JSON line per rank in $TUTORIAL_SIMGPU_RECORD: the backend asked and the
 device, the GPUs the rank sees, its environment's GPU and NCCL variables, and whether it was refused. The lane
 (tests/simgpu/lane.py) checks the records against README's allocation table.
 
-What it cannot show: kernels, speed, memory use, numerics of CUDA (tf32, bf16 kernels; autocast("cuda") changes no
-dtype here), compiling (torch.compile runs the function as it is), and tensors that FSDP2's DTensor and DCP make below
-torch's Python layer (they are plain CPU tensors here, so only CPU tensors made by Python count as the CPU in the
-device check). Those are gpu-check's, on a real GPU; the Makefile runs 04 and 09 on the CPU for these reasons.
+What it cannot show (README's tests section lists it for readers of a green lane): kernels, speed, streams (a
+non_blocking copy is done at once; Event times the host), device-side asserts (a bad index fails at once here, where
+CUDA fails later and poisons the context), NCCL's watchdog, timeouts and aborts, memory use (memory_allocated is 0),
+numerics of CUDA kernels (tf32, cuBLAS), CUDA's random numbers (each device has a CPU generator), compiling
+(torch.compile runs the function as it is), and tensors that DDP's reducer, autograd, FSDP2's DTensor and DCP make
+below torch's Python layer (they are plain CPU tensors here, so only CPU tensors made by Python count as the CPU in
+the device check; 03a's comm hooks on 8 GPUs meet one). Those are gpu-check's, on a real GPU; the Makefile runs 04
+and 09 on the CPU for these reasons.
 """
 from __future__ import annotations
 
@@ -63,6 +78,27 @@ def uuid(index: int) -> str:
 
 _current = threading.local()
 
+# CUDA's initialisation, per process as the driver's: the first call that needs a context (a tensor on the GPU,
+# set_device, a device's properties, a stream) initialises it; is_available and device_count do not (NVML). A child
+# forked after that finds CUDA unusable, as torch's at-fork hook makes it ("bad fork").
+_init = {"done": False, "bad_fork": False}
+BAD_FORK = ("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you must use the "
+            "'spawn' start method (simulated GPUs)")
+
+
+def lazy_init() -> None:
+    if _init["bad_fork"]:
+        raise RuntimeError(BAD_FORK)
+    if not _init["done"] and physical():
+        _init["done"] = True
+
+
+def _after_fork_in_child() -> None:
+    _init["bad_fork"], _init["done"] = _init["done"], False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 def current_device() -> int:
     return getattr(_current, "index", 0)
@@ -83,11 +119,14 @@ def _check_index(device) -> int:
 
 
 def set_device(device) -> None:
-    _current.index = _check_index(device)
+    index = _check_index(device)
+    lazy_init()
+    _current.index = index
 
 
 def properties(device=None):
     index = _check_index(device)
+    lazy_init()
     return types.SimpleNamespace(name=GPU_NAME, total_memory=MEMORY, major=CAPABILITY[0], minor=CAPABILITY[1],
                                  multi_processor_count=132, uuid=uuid(index), is_integrated=False,
                                  L2_cache_size=50 * 2**20, gcnArchName="")
@@ -120,6 +159,7 @@ class Stream:
         import torch
 
         self.device = torch.device("cuda", _check_index(device) if physical() else 0)
+        lazy_init()
         self.device_index, self.device_type, self.stream_id = self.device.index, "cuda", 0
 
     def synchronize(self):
@@ -179,8 +219,9 @@ def _patch_cuda(torch) -> None:
         get_device_name=lambda device=None: properties(device).name,
         get_device_capability=lambda device=None: (properties(device).major, properties(device).minor),
         is_bf16_supported=lambda including_emulation=True: CAPABILITY >= (8, 0),
-        is_initialized=lambda: bool(physical()),
-        _lazy_init=nothing, init=nothing, synchronize=nothing, empty_cache=nothing, ipc_collect=nothing,
+        is_initialized=lambda: _init["done"] and not _init["bad_fork"],
+        _is_in_bad_fork=lambda: _init["bad_fork"],
+        _lazy_init=lazy_init, init=lazy_init, synchronize=lambda device=None: lazy_init(), empty_cache=nothing, ipc_collect=nothing,
         memory_allocated=zero, max_memory_allocated=zero, memory_reserved=zero, max_memory_reserved=zero,
         reset_peak_memory_stats=nothing, reset_max_memory_allocated=nothing, reset_accumulated_memory_stats=nothing,
         memory_stats=lambda device=None: {}, mem_get_info=lambda device=None: (MEMORY, MEMORY),
@@ -286,6 +327,31 @@ def _tensor_classes(torch):
 
 
 SimCuda = _Tensor = _Parameter = None  # set by install(), once torch is imported
+
+# Host syncs: every read of a simulated CUDA tensor's values on the host (item, tolist, bool, int, float, printing,
+# a blocking copy to the CPU), counted per caller ("module:function:line", the first frame outside torch and this
+# file). On a GPU each one waits for every kernel queued before it; the course reads the loss only at log steps.
+SYNC_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__format__", "__repr__", "__str__"}
+SYNCS: dict = {}
+
+
+def _count_sync(kind: str) -> None:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("torch", __name__, "functools",
+                                                                                  "contextlib")):
+        frame = frame.f_back
+    where = "?" if frame is None else \
+        f"{frame.f_globals.get('__name__', '?')}:{frame.f_code.co_name}:{frame.f_lineno}"
+    SYNCS[(where, kind)] = SYNCS.get((where, kind), 0) + 1
+
+
+def host_syncs() -> dict:
+    """{(caller, kind): count} of the host syncs this process made since the last reset_host_syncs()."""
+    return dict(SYNCS)
+
+
+def reset_host_syncs() -> None:
+    SYNCS.clear()
 METADATA = {"_has_compatible_shallow_copy_type", "__get__", "__set__", "copy_", "set_", "is_same_size",
             "is_pinned", "__repr__", "__format__", "_make_subclass", "__reduce_ex__", "__deepcopy__", "__setstate__"}
 
@@ -307,6 +373,7 @@ def _on_cpu(t):
 def _tag(t, index):
     """Make t (a new tensor of an op) say cuda:index."""
     if index is not None and type(t) in (_Tensor, _Parameter):
+        lazy_init()
         t.__dict__.pop("_sim_cpu", None)
         if type(t) is _Parameter:
             t._is_param = True  # isinstance(t, nn.Parameter) still holds (Parameter's metaclass reads it)
@@ -319,6 +386,8 @@ def _move(t, index):
     """A copy of t on simulated cuda:index (None: the CPU)."""
     import torch
 
+    if index is not None:
+        lazy_init()
     with torch._C.DisableTorchFunction():
         t = t.clone()
     if index is None:
@@ -356,14 +425,22 @@ def _mode_class(torch):
             kwargs = kwargs or {}
             name = getattr(func, "__name__", "")
             if name in ("to", "cuda", "cpu") and args and isinstance(args[0], torch.Tensor):
-                return _transfer(torch, name, args, kwargs)
+                moved = _transfer(torch, name, args, kwargs)
+                if type(args[0]) is SimCuda and on(moved) is None and not kwargs.get("non_blocking"):
+                    _count_sync("copy to the host")
+                return moved
+            if name in SYNC_READS and args and type(args[0]) is SimCuda:
+                _count_sync(name)
             if name == "pin_memory" and args:
+                if type(args[0]) is SimCuda:  # what a loader's pin_memory does to a batch already on the GPU
+                    kind = torch.Tensor.type(args[0].as_subclass(torch.Tensor)).replace("torch.", "torch.cuda.", 1)
+                    raise RuntimeError(f"cannot pin '{kind}' only dense CPU tensors can be pinned (simulated GPUs)")
                 return args[0]  # pinned host memory needs the driver; the simulation has nothing to pin for
             if name == "record_stream":
                 return None
             if name in ("__deepcopy__", "__reduce_ex__") and type(args[0]) is SimCuda:
                 return _as_cpu_tensor(args[0], name, args[1:], kwargs)  # a copy moved back; a save as on the CPU
-            if name == "numpy" and type(args[0]) is SimCuda:
+            if name in ("numpy", "__array__") and type(args[0]) is SimCuda:  # np.asarray, matplotlib, pandas
                 raise TypeError(f"can't convert cuda:{on(args[0])} device type tensor to numpy. Use Tensor.cpu() to "
                                 "copy the tensor to host memory first. (simulated GPUs)")
             if name == "__format__" and type(args[0]) is SimCuda and args[0].dim() == 0:
@@ -404,10 +481,13 @@ def _mode_class(torch):
 
 def _as_cpu_tensor(t, method, args, kwargs):
     """t.__deepcopy__ / t.__reduce_ex__ done on t as the CPU tensor it is; a deep copy is moved back to its GPU.
-    torch.save so writes CUDA tensors as CPU ones; torch.load(map_location="cuda...") puts them back (_load)."""
+    torch.save so writes a CUDA tensor's bytes as a CPU one's, its device as a GPU file's (_patch_load)."""
     import torch
 
     index, state = on(t), {k: t.__dict__.pop(k) for k in ("_sim_index",) if k in t.__dict__}
+    if method == "__reduce_ex__":
+        with torch._C.DisableTorchFunction():
+            _saving[t.untyped_storage().data_ptr()] = index  # torch.save's location tag (_patch_load)
     param = getattr(t, "_is_param", False)
     if param:
         del t.__dict__["_is_param"]
@@ -420,6 +500,32 @@ def _as_cpu_tensor(t, method, args, kwargs):
         if param:
             t._is_param = True
     return _tag(out, index) if method == "__deepcopy__" else out
+
+
+def _patch_autocast(torch) -> None:
+    """autocast("cuda", dtype) is CPU autocast with that dtype, so the fp16 and bf16 branches compute in the dtypes a
+    GPU gives (the same ops run in lower precision: torch's CPU and CUDA autocast lists differ in a few ops only), and
+    GradScaler's inf checks and skipped steps see fp16's overflows. torch.is_autocast_enabled("cuda") and
+    get_autocast_dtype("cuda") answer for it."""
+    from torch.amp import autocast_mode
+
+    init = autocast_mode.autocast.__init__
+
+    @functools.wraps(init)
+    def init_(self, device_type, *args, **kwargs):
+        init(self, "cpu" if device_type == "cuda" and physical() else device_type, *args, **kwargs)
+
+    autocast_mode.autocast.__init__ = init_
+    enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+
+    def is_autocast_enabled(device_type=None):
+        if device_type is None or device_type == "cuda":
+            return enabled("cpu") if physical() else enabled("cuda")
+        return enabled(device_type)
+
+    torch.is_autocast_enabled = is_autocast_enabled
+    torch.get_autocast_dtype = lambda device_type: dtype("cpu" if device_type == "cuda" and physical() else
+                                                         device_type)
 
 
 def _patch_profiler(torch) -> None:
@@ -474,19 +580,69 @@ def _patch_checkpoint(torch) -> None:
         lambda x: {"shape": x.shape, "dtype": x.dtype}
 
 
+# Storages written by torch.save from simulated CUDA tensors (data_ptr -> index) while a save runs: torch.save asks
+# location_tag() for each storage's device, and the file says "cuda:<index>" as a real GPU's file would.
+_saving: dict = {}
+
+
 def _patch_load(torch) -> None:
+    """torch.save writes a simulated CUDA tensor's device in the file; torch.load puts it back there: on the saved
+    device when no map_location is given (so every rank of a node that resumes without one piles onto the device
+    rank 0 saved from, as on a GPU node), on the mapped one otherwise."""
+    import torch.serialization as serialization
     from torch.utils._pytree import tree_map_only
+
+    restored = threading.local()
+
+    def tag(storage):
+        index = _saving.get(storage.data_ptr()) if storage.device.type == "cpu" and storage.nbytes() else None
+        return None if index is None else f"cuda:{index}"
+
+    def deserialize(storage, location):
+        if not location.startswith("cuda"):
+            return None
+        index = torch.device(location).index or 0
+        if index >= len(physical()):
+            raise RuntimeError(f"Attempting to deserialize object on CUDA device {index} but torch.cuda.device_count() "
+                               f"is {len(physical())}. Please use torch.load with map_location to map your storages "
+                               f"to an existing device. (simulated GPUs)")
+        lazy_init()
+        getattr(restored, "placed", {})[storage.data_ptr()] = index
+        return storage
+
+    serialization.register_package(1, tag, deserialize)  # before torch's own "cuda" (20), which needs a driver
+
+    save = torch.save
+
+    @functools.wraps(save)
+    def save_(*args, **kwargs):
+        _saving.clear()
+        try:
+            return save(*args, **kwargs)
+        finally:
+            _saving.clear()
 
     load = torch.load
 
     @functools.wraps(load)
     def load_(f, map_location=None, *args, **kwargs):
         index = _where(map_location) if isinstance(map_location, (str, torch.device)) else None
-        if index is None or index is False:
+        if index is not None and index is not False:
+            return tree_map_only(torch.Tensor, lambda t: _move(t, index), load(f, "cpu", *args, **kwargs))
+        if map_location is not None:
             return load(f, map_location, *args, **kwargs)
-        return tree_map_only(torch.Tensor, lambda t: _move(t, index), load(f, "cpu", *args, **kwargs))
+        restored.placed = placed = {}
+        try:
+            out = load(f, None, *args, **kwargs)
+        finally:
+            del restored.placed
 
-    torch.load = load_
+        def place(t):
+            where = placed.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
+            return t if where is None else _tag(t, where)
+        return tree_map_only(torch.Tensor, place, out) if placed else out
+
+    torch.save, torch.load = save_, load_
 
 
 def _transfer(torch, name, args, kwargs):
@@ -722,6 +878,7 @@ def install() -> None:
     _patch_cuda(torch)
     _patch_distributed(torch)
     _patch_load(torch)
+    _patch_autocast(torch)
     _patch_profiler(torch)
     _patch_compile(torch)
     _patch_checkpoint(torch)
