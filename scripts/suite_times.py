@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -38,9 +39,14 @@ def machine() -> dict:
 
 def run(lane: str, half: str, command: list[str]) -> int:
     FOLDER.mkdir(parents=True, exist_ok=True)
-    started = time.time()
+    started, before = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
     status = subprocess.call(command)
-    record = dict(lane=lane, half=half, seconds=round(time.time() - started, 1), status=status,
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU time of the lane's processes that have ended (engines, ranks, kernels): with the wall time, how much of the
+    # machine the lane kept busy, i.e. whether a third job beside the two halves could gain anything.
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    record = dict(lane=lane, half=half, seconds=round(time.time() - started, 1), cpu_seconds=round(cpu, 1),
+                  status=status,
                   date=datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
                   load_average=[round(x, 2) for x in os.getloadavg()], **machine())
     with open(FOLDER / LANES, "a") as f:
@@ -77,7 +83,8 @@ def report(folder: Path, slowest: int) -> str:
         if r["lane"] != "test":
             halves[r["half"]] = halves.get(r["half"], 0.0) + r["seconds"]
         mark = "" if r["status"] == 0 else f"  (exit {r['status']})"
-        lines.append(f"  {r['half']:>9} {r['lane']:<22} {r['seconds'] / 60:6.1f} min{mark}")
+        busy = f"  CPU {r['cpu_seconds'] / 60:5.1f} min" if "cpu_seconds" in r else ""
+        lines.append(f"  {r['half']:>9} {r['lane']:<22} {r['seconds'] / 60:6.1f} min{busy}{mark}")
     if len(halves) > 1:
         lines.append("  halves, side by side: " + ", ".join(f"{h} {s / 60:.1f} min" for h, s in halves.items())
                      + f" (the shorter ends {(max(halves.values()) - min(halves.values())) / 60:.1f} min earlier)")
