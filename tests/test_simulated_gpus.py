@@ -203,13 +203,21 @@ NCCL_PAIR = """
     t = torch.ones(1, device="cuda")
     dist.all_reduce(t)
     print("cuda tensor", t.item(), t.device)
+    # DDP's buckets are made below Python: a comm hook hands them to NCCL, as on a GPU (03a's hooks)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(torch.nn.Linear(16, 4).cuda(), device_ids=[torch.cuda.current_device()])
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    model(torch.randn(8, 16, device="cuda")).sum().backward()
+    print("comm hook", model.module.weight.grad.device)
     dist.destroy_process_group()
 """
 
 
 @pytest.mark.parametrize("gpus", [2, 1])
 def test_simulated_nccl_refuses_a_shared_gpu_and_cpu_tensors(tmp_path, gpus):
-    """NCCL's two refusals that CPU tests never meet: two ranks on one GPU, and a CPU tensor on an NCCL group."""
+    """NCCL's two refusals that CPU tests never meet: two ranks on one GPU, and a CPU tensor on an NCCL group; and
+    no false refusal of DDP's buckets, which a comm hook hands to NCCL (review 6: 03a [13]-[14] on 8 GPUs)."""
     script, record = tmp_path / "pair.py", tmp_path / "record.jsonl"
     script.write_text(textwrap.dedent(NCCL_PAIR))
     with agent_store() as rendezvous:
@@ -223,7 +231,7 @@ def test_simulated_nccl_refuses_a_shared_gpu_and_cpu_tensors(tmp_path, gpus):
         assert [p.returncode for p in procs] == [0, 0], outs
         for out, _ in outs:
             assert "backend nccl" in out and "cpu tensor failed: No backend type associated with device type cpu" \
-                in out and "cuda tensor 2.0 cuda:" in out
+                in out and "cuda tensor 2.0 cuda:" in out and "comm hook cuda:" in out
         assert sorted(r["uuids"][r["current"]][-1] for r in seen) == ["0", "1"]
     else:
         assert [p.returncode for p in procs] == [3, 3], outs

@@ -33,7 +33,7 @@ CUDA fails later and poisons the context), NCCL's watchdog, timeouts and aborts,
 numerics of CUDA kernels (tf32, cuBLAS), CUDA's random numbers (each device has a CPU generator), compiling
 (torch.compile runs the function as it is), and tensors that DDP's reducer, autograd, FSDP2's DTensor and DCP make
 below torch's Python layer (they are plain CPU tensors here, so only CPU tensors made by Python count as the CPU in
-the device check; 03a's comm hooks on 8 GPUs meet one). Those are gpu-check's, on a real GPU; the Makefile runs 04
+the device check and NCCL's: DDP's buckets reach a comm hook's all-reduce as they would on a GPU, but say cpu). Those are gpu-check's, on a real GPU; the Makefile runs 04
 and 09 on the CPU for these reasons.
 """
 from __future__ import annotations
@@ -847,7 +847,9 @@ def _checked(torch, name, collective):
             group = c10d._get_default_group()
         if id(group) in NCCL_GROUPS:
             flat, _ = tree_flatten((args, kwargs))
-            cpu = [t for t in flat if isinstance(t, torch.Tensor) and on(t) is None]
+            # Only a tensor that Python code made on the CPU is a CPU tensor here: one made below Python (DDP's bucket
+            # handed to a comm hook, autograd's gradients) is on the GPU of its inputs on a real node (03a's hooks).
+            cpu = [t for t in flat if isinstance(t, torch.Tensor) and on(t) is None and getattr(t, "_sim_cpu", False)]
             if cpu:
                 raise RuntimeError(f"No backend type associated with device type cpu (simulated NCCL: {name} was "
                                    f"given a CPU tensor of shape {tuple(cpu[0].shape)} on an NCCL process group)")
