@@ -64,7 +64,7 @@ FLOOR_TESTS = tests/test_distributed.py tests/test_step_agreement.py tests/test_
 	tests/test_gpu_check.py::test_the_cpu_rehearsal_of_stage_1
 FLOOR_LANE = .venv-floor/bin/python -m pytest $(FLOOR_TESTS) $(call junit,floor)
 
-.PHONY: help install lab hub test test-unit test-notebooks unit nbval simgpu-lane floor-lane host-syncs notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
+.PHONY: help install lab hub test test-unit test-notebooks unit nbval simgpu-lane floor-lane soak host-syncs notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
 
 help:
 	@echo "make lab        set up if needed, then JupyterLab on notebooks/ (token auth, prints the URL)"
@@ -130,6 +130,10 @@ simgpu-lane: install
 
 floor-lane: install
 	$(FLOOR_LANE)
+
+# The rendezvous soak at its full size (4 attendees x 10 rounds beside torchrun); make test runs 2 x 3.
+soak: install
+	TUTORIAL_SOAK=1 $(BIN)/python -m pytest -s tests/test_races.py::test_attendees_rendezvous_at_once_beside_torchrun
 
 # Host syncs per training step of every one-process trainer on a simulated GPU, appended to results/host_syncs.jsonl.
 host-syncs: install

@@ -39,14 +39,14 @@
   mistakes, bugs or errors it holds ("three mistakes", "two bugs"), the numbers agree.
 
 All read files only. `test_the_checks_find_what_review_4_found` runs them on 984c965 (the commit review 4 read),
-`test_the_checks_find_what_review_5_found` on 4e6582a (the commit review 5 read).
+`test_the_checks_find_what_review_5_found` on 4e6582a (the commit review 5 read): on what tests/fixtures/ keeps of
+those commits' files, so that the controls need no git history.
 """
 from __future__ import annotations
 
 import json
 import re
 import sys
-import subprocess
 from pathlib import Path
 
 import nbformat
@@ -59,28 +59,29 @@ from cell_times import cell_seconds  # noqa: E402
 from slides_export import SLOW_S, notes_sections  # noqa: E402
 REVIEWED = "984c965"
 REVIEWED_5 = "4e6582a"
+FIXTURES = ROOT / "tests" / "fixtures"  # old commits' files, for the negative controls (see its README.md)
 DOCS = ["README.md", "slides/README.md", "slides/course_plan.md"]
 
 
 class Files:
-    """The working tree, or a commit (for the negative control)."""
+    """The working tree, or (for the negative controls) an old commit's files as tests/fixtures/<commit>/ keeps
+    them, a notebook as `<name>.ipynb.json`; a file it does not keep reads as absent (None)."""
 
     def __init__(self, commit: str | None = None):
         self.commit = commit
 
-    def read(self, path: str) -> str | None:
+    def path(self, path: str) -> Path:
         if self.commit is None:
-            p = ROOT / path
-            return p.read_text(encoding="utf-8") if p.exists() else None
-        done = subprocess.run(["git", "show", f"{self.commit}:{path}"], cwd=ROOT, capture_output=True, text=True)
-        return done.stdout if done.returncode == 0 else None
+            return ROOT / path
+        return FIXTURES / self.commit / (f"{path}.json" if path.endswith(".ipynb") else path)
+
+    def read(self, path: str) -> str | None:
+        p = self.path(path)
+        return p.read_text(encoding="utf-8") if p.exists() else None
 
     def listing(self, folder: str, suffix: str) -> list[str]:
-        if self.commit is None:
-            return sorted(p.stem for p in (ROOT / folder).glob(f"*{suffix}"))
-        names = subprocess.run(["git", "ls-tree", "--name-only", f"{self.commit}", f"{folder}/"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.split()
-        return sorted(Path(n).stem for n in names if n.endswith(suffix))
+        kept = suffix + (".json" if suffix == ".ipynb" and self.commit else "")
+        return sorted(p.name.removesuffix(kept) for p in self.path(folder).glob(f"*{kept}"))
 
 
 def short(stem: str) -> str:
@@ -507,7 +508,8 @@ def test_references_are_read(tmp_path, monkeypatch):
 
 
 def test_exercise_counts_are_read():
-    cells = [{"cell_type": "markdown", "source": ["### Exercise 2: a stopper\nIt has three mistakes: two in the settings"]},
+    cells = [{"cell_type": "markdown",
+              "source": ["### Exercise 2: a stopper\nIt has three mistakes: two in the settings"]},
              {"cell_type": "code", "source": ["x = 1"]},
              {"cell_type": "markdown", "source": ["<details>solution: the two bugs ...</details>"]},
              {"cell_type": "markdown", "source": ["## Summary\nfour errors elsewhere"]}]
@@ -526,8 +528,6 @@ def test_the_checks_find_what_review_4_found():
     """Negative control: on 984c965 these checks find review 4's items 1, 4, 13 and 14 (and no more than a few
     others, so that the rules are not a net that catches everything)."""
     files = Files(REVIEWED)
-    if files.read("slides/course_plan.md") is None:
-        pytest.skip(f"{REVIEWED} is not in this clone (a shallow checkout)")
     references = "\n".join(reference_problems(files))
     assert "appendix_job_scripts md[10] line 3: 'Notebooks 00, 03 and 05' names notebook 03" in references  # item 13
     runtimes = "\n".join(runtime_problems(files))
@@ -544,9 +544,6 @@ def test_review_4_items_caught_on_984c965():
     on 984c965. Each item below is found by a check of this file, of test_quoted_numbers.py or of
     test_course_plan.py, run on that commit's files; the message each finds is the item's."""
     import importlib.util
-
-    if Files(REVIEWED).read("slides/course_plan.md") is None:
-        pytest.skip(f"{REVIEWED} is not in this clone (a shallow checkout)")
 
     def module(name: str):
         spec = importlib.util.spec_from_file_location(f"_h_{name}", Path(__file__).with_name(f"{name}.py"))
@@ -636,8 +633,6 @@ def test_the_checks_find_what_review_5_found():
     md[48], 09 md[19], notes 09 and 05), and the notes' run-time check N13's "slow cell"s and "a minute or more";
     test_quoted_numbers's range rule no longer lets notes 08's "20-25 s" match "23 batches"."""
     files = Files(REVIEWED_5)
-    if files.read("slides/course_plan.md") is None:
-        pytest.skip(f"{REVIEWED_5} is not in this clone (a shallow checkout)")
     compared = "\n".join(comparison_problems(files))
     for place in ("04_mixed_precision md[22] line 6", "11_model_parallelism md[48] line 28",
                   "09_sharded_training md[19] line 2", "slides/notes/09_sharded_training.md \u00a7 Saving while",

@@ -42,7 +42,7 @@ def setup(cfg: ParallelConfig):
     """The device."""
     # TP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines; one GPU per process
     world = world_from_env()
-    device = pick_device(world.local_rank, world.local_world_size)
+    device = pick_device(world.local_rank, world.local_world_size)  # TP
     # 2D: a whole mesh, and equal halves of the batch
     if world.world_size % cfg.tp or cfg.batch_size % (world.world_size // cfg.tp):
         raise ConfigError(f"{world.world_size} ranks cannot form a (dp, tp={cfg.tp}) mesh "  # 2D
@@ -69,7 +69,7 @@ def build(cfg: ParallelConfig, device: torch.device, mesh):  # TP: and the mesh
     # embedding, the final norm and the head)
     for block in model.blocks.values():
         fully_shard(block, mesh=mesh["dp"])  # 2D
-    fully_shard(model, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])  # 2D
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)  # TP: each rank steps its slices
     return model, optimizer, corpus
 
@@ -83,8 +83,8 @@ def train_step(model, optimizer, X, y, mesh) -> torch.Tensor:  # 2D: and the mes
     optimizer.step()
     # 2D: the loss over the whole global batch, all-reduced over "dp" (read at the run's end)
     loss = loss.detach()
-    dist.all_reduce(loss, group=mesh.get_group("dp"))
-    return loss / mesh["dp"].size()
+    dist.all_reduce(loss, group=mesh.get_group("dp"))  # 2D
+    return loss / mesh["dp"].size()  # 2D
 
 
 def fit(cfg, device, world, model, optimizer, corpus, mesh) -> dict:  # 2D: and the mesh
@@ -94,8 +94,8 @@ def fit(cfg, device, world, model, optimizer, corpus, mesh) -> dict:  # 2D: and 
     for X, y in batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed):
         # 2D: this data-parallel group's part of the global batch
         dp, part = mesh["dp"].get_local_rank(), cfg.batch_size // mesh["dp"].size()
-        rows = slice(dp * part, (dp + 1) * part)
-        X, y = X[rows].to(device), y[rows].to(device)
+        rows = slice(dp * part, (dp + 1) * part)  # 2D
+        X, y = X[rows].to(device), y[rows].to(device)  # 2D
         with comms if not losses else contextlib.nullcontext():  # TP: the first step only
             losses.append(train_step(model, optimizer, X, y, mesh))  # 2D: and the mesh
     # The losses are read on the host once, here, not with .item() every step: each read is a

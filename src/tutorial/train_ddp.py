@@ -37,7 +37,7 @@ def setup(cfg: TrainConfig):
     # DDP: rank, local rank and world size from torchrun, MPI, Slurm or the engines; then one GPU
     # per process, picked by local rank
     world = world_from_env()
-    device = pick_device(world.local_rank, world.local_world_size)
+    device = pick_device(world.local_rank, world.local_world_size)  # DDP
     precision = Precision(cfg.precision, device)
     cfg.check_stage(STAGE, device)  # an option only other trainers read is refused, not ignored
     tracking.prepare_output(cfg)
@@ -173,7 +173,7 @@ def main(cfg: TrainConfig, build=build) -> dict:
     device, precision = setup(cfg)
     # DDP: join the other ranks; rank 0 prints and writes
     created = init_process_group(world_from_env(), device, cfg.timeout, cfg.backend)
-    log = tracking.RunLog(cfg, STAGE, device, dist.get_rank(), dist.get_world_size())
+    log = tracking.RunLog(cfg, STAGE, device, dist.get_rank(), dist.get_world_size())  # DDP
     try:
         model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)
         state = checkpoint.resume(cfg, model, optimizer, precision.scaler, device)

@@ -41,7 +41,7 @@ def setup(cfg: TrainConfig):
     # DDP: rank, local rank and world size from torchrun, MPI, Slurm or the engines; then one GPU
     # per process, picked by local rank
     world = world_from_env()
-    device = pick_device(world.local_rank, world.local_world_size)
+    device = pick_device(world.local_rank, world.local_world_size)  # DDP
     precision = Precision(cfg.precision, device)
     cfg.check_stage(STAGE, device)  # an option only other trainers read is refused, not ignored
     tracking.prepare_output(cfg)
@@ -106,7 +106,7 @@ def train_one_epoch(loop: Loop, loader, epoch: int):
         # DeepSpeed: our weight, not its 1 / grad_accum (wrong for a short last group); it reduces
         # at the group's end
         weight = micro_batch_weight(loader, i, len(y), cfg.grad_accum)
-        model.backward(loss * weight, scale_wrt_gas=False)
+        model.backward(loss * weight, scale_wrt_gas=False)  # DeepSpeed
         totals[LOSS_SUM] += loss.detach() * len(y)
         totals[SAMPLES] += len(y)
         if last_micro_batch:

@@ -157,7 +157,7 @@ def main(cfg: TrainConfig, build=build) -> dict:
     device, precision = setup(cfg)
     # DP: the replicas that share a batch, and the GPUs they run on
     log = tracking.RunLog(cfg, STAGE, device, gpus=torch.cuda.device_count())
-    log.print(f"DataParallel over {torch.cuda.device_count()} GPU(s)" if device.type == "cuda"
+    log.print(f"DataParallel over {torch.cuda.device_count()} GPU(s)" if device.type == "cuda"  # DP
               else "DataParallel: no GPU here, so the model runs unreplicated on the CPU")
     try:
         model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device)

@@ -41,7 +41,7 @@ def setup(cfg: TrainConfig):
     # DDP: rank, local rank and world size from torchrun, MPI, Slurm or the engines; then one GPU
     # per process, picked by local rank
     world = world_from_env()
-    device = pick_device(world.local_rank, world.local_world_size)
+    device = pick_device(world.local_rank, world.local_world_size)  # DDP
     precision = Precision(cfg.precision, device)
     cfg.check_stage(STAGE, device)  # an option only other trainers read is refused, not ignored
     tracking.prepare_output(cfg)
@@ -80,6 +80,7 @@ def build(cfg: TrainConfig, device: torch.device, precision):  # FSDP: and the p
         fully_shard(block, mp_policy=policy)  # FSDP: parameters become DTensors
     root_policy = MixedPrecisionPolicy(precision.dtype, torch.float32, output_dtype=torch.float32)
     fully_shard(model, mp_policy=root_policy)
+    # FSDP end
     lr = scaled_lr(cfg, dist.get_world_size())  # DDP: a world_size times larger batch, a larger lr
     torch.manual_seed(cfg.seed + dist.get_rank())  # DDP: each rank its own random crops and flips
     optimizer = build_optimizer(model, cfg, lr)  # FSDP: after sharding, so its state is sharded too
@@ -187,11 +188,11 @@ def main(cfg: TrainConfig, build=build) -> dict:
     device, precision = setup(cfg)
     # DDP: join the other ranks; rank 0 prints and writes
     created = init_process_group(world_from_env(), device, cfg.timeout, cfg.backend)
-    log = tracking.RunLog(cfg, STAGE, device, dist.get_rank(), dist.get_world_size())
+    log = tracking.RunLog(cfg, STAGE, device, dist.get_rank(), dist.get_world_size())  # DDP
     try:
         # FSDP: build takes the precision (its policy); each rank reads the slices it holds
         model, optimizer, train_loader, test_loader, peak_lr = build(cfg, device, precision)
-        state = sharded_checkpoint.resume_dcp(cfg, model, optimizer)
+        state = sharded_checkpoint.resume_dcp(cfg, model, optimizer)  # FSDP
         loop = Loop(cfg, model, optimizer, precision, device, peak_lr, log, state)
         return fit(loop, train_loader, test_loader)
     finally:

@@ -60,6 +60,7 @@ def build(cfg: TrainConfig, device: torch.device):
     train_loader = make_loader(train_set, cfg, device, sampler=sampler, start_method="forkserver")
     test_shard = shard(test_set, hvd.rank(), hvd.size())
     test_loader = make_loader(test_shard, cfg, device, start_method="forkserver")
+    # Horovod end
     model = build_model(cfg.model, info).to(device)
     if cfg.sync_bn:  # Horovod: BatchNorm statistics over the global batch, not each rank's slice
         model = convert_batchnorm(model, hvd.SyncBatchNorm)  # Horovod
@@ -74,8 +75,8 @@ def build(cfg: TrainConfig, device: torch.device):
     compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression,
-                                         backward_passes_per_step=cfg.grad_accum)
-    torch.manual_seed(cfg.seed + hvd.rank())
+                                         backward_passes_per_step=cfg.grad_accum)  # Horovod
+    torch.manual_seed(cfg.seed + hvd.rank())  # Horovod
     return model, optimizer, train_loader, test_loader, lr
 
 
@@ -105,7 +106,7 @@ def train_one_epoch(loop: Loop, loader, epoch: int):
             # Horovod: wait for the averaged gradients before unscaling and clipping; then step()
             # must not wait for them a second time
             loop.optimizer.synchronize()
-            with loop.optimizer.skip_synchronize():
+            with loop.optimizer.skip_synchronize():  # Horovod
                 precision.step(loop.optimizer, model.parameters(), cfg.clip_grad)
             loop.optimizer.zero_grad()
             state.step += 1
@@ -190,7 +191,7 @@ def main(cfg: TrainConfig, build=build) -> dict:
         # Horovod: step 5, start from rank 0's weights, and its optimizer state (a fresh optimizer
         # has none to send)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        if state.step:
+        if state.step:  # Horovod
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # Horovod
         loop = Loop(cfg, model, optimizer, precision, device, peak_lr, log, state)
         return fit(loop, train_loader, test_loader)

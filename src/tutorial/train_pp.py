@@ -41,7 +41,7 @@ def setup(cfg: ParallelConfig):
     if cfg.batch_size % cfg.micro_batches:
         raise ConfigError(f"batch-size {cfg.batch_size} is not a multiple of "  # PP
                           f"micro-batches {cfg.micro_batches}")
-    if cfg.n_layers % world.world_size:
+    if cfg.n_layers % world.world_size:  # PP
         raise ConfigError(f"n-layers {cfg.n_layers} cannot be cut into "  # PP
                           f"{world.world_size} equal stages")
     device = pick_device(world.local_rank, world.local_world_size)  # PP: one GPU per process
@@ -55,8 +55,8 @@ def build(cfg: ParallelConfig, device: torch.device, world):  # PP: and who we a
     # PP: the whole model from the seed, so that the stages fit together; this rank keeps its part,
     # and its PipelineStage knows its neighbours by rank
     model = GPT(cfg.gpt(), seed=cfg.seed)
-    model = pipeline_stage(model, world.rank, world.world_size).to(device)
-    stage = PipelineStage(model, world.rank, world.world_size, device)
+    model = pipeline_stage(model, world.rank, world.world_size).to(device)  # PP
+    stage = PipelineStage(model, world.rank, world.world_size, device)  # PP
     # PP: the schedule cuts each batch into micro-batches and runs them through the stages; the last
     # stage calls loss_fn per micro-batch, and the gradients are divided by their number
     # (scale_grads), as for one batch.
@@ -78,7 +78,7 @@ def train_step(schedule, optimizer, world, X, y, device) -> torch.Tensor:  # PP:
     optimizer.step()
     # PP: every rank reports the last stage's loss
     loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
-    dist.broadcast(loss, src=world.world_size - 1)
+    dist.broadcast(loss, src=world.world_size - 1)  # PP
     return loss.detach()
 
 
@@ -110,6 +110,7 @@ def fit(cfg, device, world, model, optimizer, corpus, schedule) -> dict:  # PP: 
     state = {k: v for s in stages or [] for k, v in s.items()} if world.is_main_process else None
     if cfg.out and world.is_main_process:  # PP: one writer
         save_run(cfg.out, state, metrics)
+    # PP end
     return metrics
 
 

@@ -42,7 +42,7 @@ def setup(cfg: ParallelConfig):
     """The device."""
     # TP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines; one GPU per process
     world = world_from_env()
-    device = pick_device(world.local_rank, world.local_world_size)
+    device = pick_device(world.local_rank, world.local_world_size)  # TP
     # TP: whole heads and equal sequence slices per rank
     if cfg.n_heads % world.world_size or cfg.context % world.world_size:
         raise ConfigError(f"n-heads {cfg.n_heads} and context {cfg.context} must be "  # TP
@@ -87,6 +87,7 @@ def tp_plan(model: GPT, sequence_parallel: bool = True) -> dict:
             plan[f"blocks.{i}.{part}"] = gathered  # TP: its input, the whole sequence
         plan[f"blocks.{i}.attn.out"] = RowwiseParallel(output_layouts=seq)  # TP: reduce-scatter
         plan[f"blocks.{i}.mlp.proj"] = RowwiseParallel(output_layouts=seq)  # TP
+    # TP end
     return plan  # TP
 
 
