@@ -3,7 +3,7 @@ CUDA and NCCL would (else the lane could not fail), the rows of README's allocat
 node, a shared node's subset, a GPU bound per task), and the exercise checkers on their GPU branch.
 
 The lane itself (the numbered notebooks under one simulated GPU but 04, 06, 09 and 12, whose reasons the
-Makefile gives; the NCCL notebooks 08 and 10 under two) is `make test`'s
+Makefile gives; 00, 03a, 08 and 10 on a full node of 8) is `make test`'s
 SIMGPU_LANE; tests/simgpu/simgpu.py says what is simulated and what is not."""
 from __future__ import annotations
 
