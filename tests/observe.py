@@ -64,10 +64,11 @@ def run_observed(main, cfg, compile_backend: str | None = None) -> dict:
 
 def fields_read(main, cfg) -> tuple[list[str], dict]:
     """The TrainConfig fields that main's own module reads, itself or through the core functions its code calls, for
-    the check that every option is read or refused (tests/test_matrix.py), and main's metrics. Reads that say nothing of what the trainer
-    does with an option do not count: those inside config.py and dataclasses (validate, to_dict, check_stage read
-    every field), those of a constructor the trainer calls (RunLog(cfg, ...) reads the batch, accumulation, model and
-    precision for its record whatever the trainer does with them), and those with no frame of the trainer's file."""
+    the check that every option is read or refused (tests/test_matrix.py), and main's metrics. Reads that say nothing
+    of what the trainer does with an option do not count: those inside config.py and dataclasses (validate, to_dict,
+    check_stage read every field), those of a constructor the trainer calls (RunLog(cfg, ...) reads the batch,
+    accumulation, model and precision for its record whatever the trainer does with them), and those with no frame
+    of the trainer's file."""
     import dataclasses
     import sys
 

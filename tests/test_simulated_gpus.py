@@ -80,7 +80,8 @@ REFUSALS = """
     path = os.path.join(tempfile.mkdtemp(), "saved.pt")
     torch.save({"weight": t, "step": torch.zeros(1)}, path)
     print("loaded on", torch.load(path)["weight"].device, torch.load(path)["step"].device,
-          torch.load(path, map_location="cpu")["weight"].device, torch.load(path, map_location="cuda:0")["weight"].device)
+          torch.load(path, map_location="cpu")["weight"].device,
+          torch.load(path, map_location="cuda:0")["weight"].device)
     pid = os.fork()
     if pid == 0:
         try:
@@ -182,8 +183,9 @@ def test_no_trainer_reads_the_gpu_at_every_step(tmp_path):
     rows = json.loads(out.stdout.splitlines()[-1])
     assert {stage: row for stage, row in rows.items() if stage != "planted"} == \
         {stage: [0.0, []] for stage in ("single", "dp", "ddp", "fsdp", "gpt")}, rows
-    assert rows["planted"][0] == 1.0 and rows["planted"][1][0].startswith("tutorial.train_single_item:train_one_epoch:") \
-        and rows["planted"][1][0].endswith(" item"), rows["planted"]
+    per_step, callers = rows["planted"]
+    assert per_step == 1.0 and callers[0].startswith("tutorial.train_single_item:train_one_epoch:") \
+        and callers[0].endswith(" item"), rows["planted"]
 
 
 NCCL_PAIR = """

@@ -33,8 +33,8 @@ CUDA fails later and poisons the context), NCCL's watchdog, timeouts and aborts,
 numerics of CUDA kernels (tf32, cuBLAS), CUDA's random numbers (each device has a CPU generator), compiling
 (torch.compile runs the function as it is), and tensors that DDP's reducer, autograd, FSDP2's DTensor and DCP make
 below torch's Python layer (they are plain CPU tensors here, so only CPU tensors made by Python count as the CPU in
-the device check and NCCL's: DDP's buckets reach a comm hook's all-reduce as they would on a GPU, but say cpu). Those are gpu-check's, on a real GPU; the Makefile runs 04
-and 09 on the CPU for these reasons.
+the device check and NCCL's: DDP's buckets reach a comm hook's all-reduce as they would on a GPU, but say cpu).
+Those are gpu-check's, on a real GPU; the Makefile runs 04 and 09 on the CPU for these reasons.
 """
 from __future__ import annotations
 
@@ -221,7 +221,8 @@ def _patch_cuda(torch) -> None:
         is_bf16_supported=lambda including_emulation=True: CAPABILITY >= (8, 0),
         is_initialized=lambda: _init["done"] and not _init["bad_fork"],
         _is_in_bad_fork=lambda: _init["bad_fork"],
-        _lazy_init=lazy_init, init=lazy_init, synchronize=lambda device=None: lazy_init(), empty_cache=nothing, ipc_collect=nothing,
+        _lazy_init=lazy_init, init=lazy_init, synchronize=lambda device=None: lazy_init(),
+        empty_cache=nothing, ipc_collect=nothing,
         memory_allocated=zero, max_memory_allocated=zero, memory_reserved=zero, max_memory_reserved=zero,
         reset_peak_memory_stats=nothing, reset_max_memory_allocated=nothing, reset_accumulated_memory_stats=nothing,
         memory_stats=lambda device=None: {}, mem_get_info=lambda device=None: (MEMORY, MEMORY),
