@@ -93,11 +93,35 @@ def test_exercise_3_checker_names_the_other_mistakes():
 
 
 def test_peak_flops_is_known_for_datasheet_gpus_only(monkeypatch):
+    """Dense datasheet peaks per device torch sees, on every vendor: an AMD GPU is a "cuda" device (its name says AMD),
+    an Intel one "xpu". A GPU missing from the table gets None and a line asking for its peak, never a CPU core's
+    estimate. Controls: f7f8195's peak_flops answered None for an xpu device and for MI250X, MI300X, V100, L40S and
+    H200 NVL (so 07 divided their runs by one core's peak), and would have given H200 NVL the SXM's 989."""
     import torch
     assert measure.peak_flops(torch.device("cpu")) is None  # no datasheet peak for a CPU: the notebook says so
-    for name, tflops in (("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA A100-SXM4-80GB", 312),
-                         ("NVIDIA H200", 989), ("NVIDIA GeForce RTX 4090", None)):
+    assert measure.peak_missing(torch.device("cpu")) == \
+        "peak: no datasheet peak for this device; exercise 3 uses an estimate for one CPU core"  # 07's stored line
+    cuda = (("NVIDIA H100 80GB HBM3", 989, 495), ("NVIDIA H100 PCIe", 756, 378), ("NVIDIA A100-SXM4-80GB", 312, 156),
+            ("NVIDIA H200", 989, 495), ("NVIDIA H200 NVL", 835, 418), ("NVIDIA L40S", 362, 183),
+            ("Tesla V100-SXM2-32GB", None, None), ("AMD Instinct MI250X", 191.5, None),
+            ("AMD Instinct MI300X", 1307.4, 653.7), ("NVIDIA GeForce RTX 4090", None, None))
+    for name, bf16, tf32 in cuda:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
-        got = measure.peak_flops(torch.device("cuda", 0))
-        assert got == (tflops * 1e12 if tflops else None), name
+        gpu = torch.device("cuda", 0)
+        assert measure.peak_flops(gpu) == (bf16 * 1e12 if bf16 else None), name
+        assert measure.peak_flops(gpu, "tf32") == (tf32 * 1e12 if tf32 else None), name
+    # V100: no bf16 and no TF32 (None above), fp16 tensor cores; fp16 elsewhere is the bf16 figure
+    for name, fp16 in (("Tesla V100-SXM2-32GB", 125), ("Tesla V100-PCIE-16GB", 112), ("Tesla V100S-PCIE-32GB", 130),
+                       ("NVIDIA A100-SXM4-80GB", 312), ("AMD Instinct MI250X", 191.5)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert measure.peak_flops(torch.device("cuda", 0), "fp16") == fp16 * 1e12, name
+    assert measure.peak_flops(torch.device("cuda", 0), "fp32") == 47.85e12  # MI250X has FP32 matrix cores, no TF32
+    # a GPU with no figure asks for one, names itself and the dtype, and says nothing of a CPU core
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
+    ask = measure.peak_missing(torch.device("cuda", 0), "bf16")
+    assert "NVIDIA GeForce RTX 4090" in ask and "dense bf16 TFLOP/s" in ask and "CPU" not in ask and "\n" not in ask
+    # Intel: an xpu device, named by torch.xpu (no XPU build here: its name query is the one part faked)
+    monkeypatch.setattr(torch.xpu, "get_device_name", lambda device=None: "Intel(R) Data Center GPU Max 1550")
+    assert measure.peak_flops(torch.device("xpu", 0)) == 419.5e12
+    assert measure.peak_flops(torch.device("xpu", 0), "tf32") == 209.5e12
     assert measure.cpu_peak_estimate(2, 2.0) == 2 * 2e9 * 32

@@ -9,7 +9,6 @@ import contextlib
 import importlib
 import importlib.util
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -44,19 +43,6 @@ def _mpi_runtime() -> str | None:
     return first_line(out) or exe
 
 
-def _nvidia_driver() -> tuple[str, str] | None:
-    """(driver version, the newest CUDA it supports) from nvidia-smi, or None where there is no NVIDIA driver."""
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return None
-    try:
-        out = subprocess.run([exe], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    driver, cuda = re.search(r"Driver Version:\s*([\d.]+)", out), re.search(r"CUDA Version:\s*([\d.]+)", out)
-    return (driver.group(1), cuda.group(1)) if driver and cuda else None
-
-
 # CUDA builds that PyTorch publishes for the pinned torch, newest first (its wheel index has one folder each).
 TORCH_CUDA_BUILDS = ("13.0", "12.8", "12.6")
 
@@ -88,6 +74,74 @@ def _pins(names) -> list[tuple[str, str]]:
     return [(name, importlib.metadata.version(name).split("+")[0]) for name in names]
 
 
+def _torch_row(torch):
+    """torch's version, the runtime it is built for and its collective library: "(CUDA 13.0, NCCL 2.27.5)",
+    "(ROCm 6.2, RCCL 2.20.5)", "(XPU on Level Zero, SYCL 20250101, oneCCL)"; a CPU-only build keeps the line it always
+    had, "(CUDA none (CPU build), NCCL -)"."""
+    from .core import accelerator
+    found = accelerator.vendor()
+    library = found.library if found else "NCCL"
+    if found is not accelerator.INTEL:  # torch reports no oneCCL version
+        library += f" {accelerator.library_version() or '-'}"
+    return ("torch", f"{torch.__version__} ({accelerator.runtime() or 'CUDA none (CPU build)'}, {library})", None)
+
+
+def _gpu_rows(torch, driver: tuple[str, str] | None) -> list[tuple]:
+    """The GPUs row and, where torch sees GPUs, the backend row. A GPU that the machine has and torch cannot see is a
+    missing piece, whoever made it: on such a node every notebook would quietly train on the CPU. driver: nvidia-smi's
+    (version, CUDA) or None."""
+    from .core import accelerator
+    found, names = accelerator.vendor(), accelerator.device_names()
+    if names:
+        backend = accelerator.backend()
+        library = {accelerator.AMD: " (RCCL, under NCCL's name)", accelerator.INTEL: " (oneCCL)"}.get(found, "")
+        fix = None if _dist_available(backend) else \
+            f"torch {torch.__version__} has no {backend} backend: install a torch built for {found.runtime} with it"
+        return [("GPUs", f"{len(names)} {', '.join(sorted(set(names)))}", None), ("backend", backend + library, fix)]
+    if driver:
+        return [("GPUs", f"NVIDIA driver {driver[0]} (CUDA up to {driver[1]}) but torch sees no GPU",
+                 _torch_build_fix(torch, driver[1]))]
+    if archs := accelerator.amd_gpus():
+        kinds = ", ".join(f"{arch}: {accelerator.INSTINCT[arch]}" for arch in sorted(set(archs)))
+        return [("GPUs", f"{len(archs)} AMD Instinct GPU(s) ({kinds}) but torch sees no GPU",
+                 _vendor_build_fix(torch, accelerator.AMD))]
+    if cards := accelerator.intel_gpus():
+        return [("GPUs", f"{len(cards)} Intel Data Center GPU Max card(s) but torch sees no GPU",
+                 _vendor_build_fix(torch, accelerator.INTEL))]
+    return [("GPUs", "none: CPU presets (gloo)", None)]
+
+
+def _dist_available(backend: str) -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_backend_available(backend)
+
+
+def _vendor_build_fix(torch, gpus) -> str:
+    """What to do where the machine has AMD or Intel GPUs (gpus: accelerator.AMD or INTEL) and torch sees none."""
+    from .core import accelerator
+    if accelerator.vendor() is gpus:  # the right build: the devices are hidden or not reachable from this process
+        hidden = ", ".join(f"{name}={value!r}" for name, value in accelerator.visible_devices(gpus).items())
+        where = f"{hidden} (the GPUs this process may see)" if hidden else " and ".join(gpus.visible_devices)
+        if gpus is accelerator.AMD:
+            device = "" if accelerator.KFD_DEVICE.exists() else \
+                "; /dev/kfd is missing here (a container needs --device /dev/kfd --device /dev/dri)"
+            return (f"torch is built for {accelerator.runtime()} but sees no GPU: check {where}{device}, and that "
+                    "you are in the render and video groups")
+        return (f"torch is built for XPU but sees no GPU: check {where}, the Level Zero loader (level-zero package) "
+                "and that you are in the render group")
+    built = f"torch is built for {accelerator.runtime()}" if accelerator.vendor() else "torch is a CPU build"
+    pair = " ".join(f"{name}=={v}" for name, v in _pins(("torch", "torchvision")))
+    if gpus is accelerator.AMD:
+        rocm = accelerator.node_rocm()
+        index = gpus.wheels + (rocm or "<X.Y>")
+        which = f"ROCm {rocm} is installed here" if rocm else "X.Y: the node's ROCm"
+        return (f"{built}, not ROCm; install a ROCm build: .venv/bin/pip install --force-reinstall {pair} "
+                f"--index-url {index} ({which}; pytorch.org lists the ROCm versions each torch is built for), "
+                "or use the site's ROCm torch")
+    return (f"{built}, not XPU; install the XPU build: .venv/bin/pip install --force-reinstall {pair} "
+            f"--index-url {gpus.wheels}, or use the site's XPU torch (on Aurora: module load frameworks)")
+
+
 def doctor_rows():
     """(name, what is there, fix or None). A fix means the workbook cannot run until it is applied."""
     rows = [("python", platform.python_version(), None if sys.version_info >= (3, 10) else "use Python 3.10-3.12")]
@@ -95,22 +149,15 @@ def doctor_rows():
     torch, err = _version("torch")
     if torch is None:
         return rows + [("torch", err, reinstall)]
-    cuda = torch.version.cuda or "none (CPU build)"
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda and torch.cuda.is_available() else "-"
-    rows.append(("torch", f"{torch.__version__} (CUDA {cuda}, NCCL {nccl})", None))
+    from .core import accelerator
+    rows.append(_torch_row(torch))
     tv, err = _version("torchvision")
     rows.append(("torchvision", tv.__version__ if tv else err, None if tv else reinstall))
-    n = torch.cuda.device_count()
-    names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(n)})) if n else "none: CPU presets (gloo)"
-    driver = _nvidia_driver()
-    if not n and driver:  # a GPU is there, but this torch cannot use it: the notebooks would quietly run on the CPU
-        rows.append(("GPUs", f"NVIDIA driver {driver[0]} (CUDA up to {driver[1]}) but torch sees no GPU",
-                     _torch_build_fix(torch, driver[1])))
-    else:
-        rows.append(("GPUs", f"{n} {names}" if n else names, None))
+    driver = accelerator.nvidia_driver()
+    rows += _gpu_rows(torch, driver)
     mpi = _mpi_runtime()
-    rows.append(("MPI", mpi or "not found",
-                 None if mpi else "install Open MPI (apt-get install openmpi-bin libopenmpi-dev) or load an MPI module"))
+    rows.append(("MPI", mpi or "not found", None if mpi else
+                 "install Open MPI (apt-get install openmpi-bin libopenmpi-dev) or load an MPI module"))
     mpi4py, err = _version("mpi4py")
     if mpi4py:
         rows.append(("mpi4py", mpi4py.__version__, None))
@@ -122,9 +169,11 @@ def doctor_rows():
         ops = [name for name, ok in (("NCCL", hvd.nccl_built()), ("MPI", hvd.mpi_built()),
                                      ("Gloo", hvd.gloo_built())) if ok]
         import horovod
+        # Horovod's GPU operations are built for NVIDIA here (scripts/install_horovod.sh); ROCm and XPU nodes get none.
+        nvidia = driver or (accelerator.vendor() is accelerator.NVIDIA and accelerator.device_count())
         # On a GPU node, Horovod without NCCL ops copies every gradient to the host for an MPI/Gloo all-reduce.
         fix = "HOROVOD_GPU_OPERATIONS=NCCL make install (rebuilds Horovod with NCCL all-reduce)" \
-            if (n or driver) and not hvd.nccl_built() else None
+            if nvidia and not hvd.nccl_built() else None
         rows.append(("horovod", f"{horovod.__version__}: PyTorch; controllers {'+'.join(controllers)}; "
                                 f"tensor ops {'+'.join(ops)}", fix))
     else:

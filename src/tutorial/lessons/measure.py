@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils import benchmark
 
+from ..core import accelerator
 from ..core.config import TrainConfig
 from ..core.data import SHAPES, DataInfo, build_datasets
 from ..core.models import build_model
@@ -204,30 +205,58 @@ def check_bus_bandwidth(bus_bandwidth) -> str:
     return "correct: busbw = algbw x 2(n-1)/n on 1 to 16 processes (1x algbw at 2 processes, 1.75x at 8, 0 on one)"
 
 
-# Peak dense tensor-core throughput in FLOP/s (no 2:4 sparsity), from the vendors' datasheets: NVIDIA A100 Tensor Core
-# GPU datasheet (2020-21: bf16/fp16 312 TFLOPS, TF32 156) and NVIDIA H100 Tensor Core GPU datasheet (2023: SXM bf16/fp16
-# 989 TFLOPS, TF32 495; PCIe 756 and 378; NVL 835 and 418); the H200 datasheet gives the H100 SXM's figures. The
-# datasheets print twice these numbers "with sparsity"; training uses dense matrices. Longest name first.
-PEAK_TFLOPS = {  # name as torch.cuda.get_device_name contains it: {dtype: TFLOP/s}
+# Peak dense matrix throughput in TFLOP/s per device torch sees, from the vendors' datasheets, never the "with
+# sparsity" figures (twice these: training multiplies dense matrices).
+# - NVIDIA: A100 Tensor Core GPU datasheet (bf16/fp16 312, TF32 156); H100 Tensor Core GPU datasheet (SXM 989 and
+#   495, PCIe 756 and 378, NVL 835 and 418); H200 datasheet (SXM as H100 SXM; NVL 835 and 418); L40S datasheet (bf16
+#   362, TF32 183); V100 datasheet (tensor cores 125 SXM2, 112 PCIe, 130 V100S): fp16 only, V100 has no bf16 and no
+#   TF32, so its bf16 is None and an fp16 run asks for "fp16".
+# - AMD: Instinct MI250X datasheet (bf16/fp16 383, FP32 matrix 95.7, no TF32) for the module, whose two dies torch
+#   sees as two devices: half each; MI300X datasheet (bf16/fp16 1307.4, TF32 653.7, FP32 matrix 163.4), one device in
+#   its default partition mode (SPX). ROCm's torch multiplies fp32 as FP32 unless HIPBLASLT_ALLOW_TF32=1: "fp32".
+# - Intel: Data Center GPU Max 1550 product brief (bf16/fp16 839, TF32 419 for the card of 2 stacks, no sparsity),
+#   whose stacks torch sees as two devices (Level Zero's default ZE_FLAT_DEVICE_HIERARCHY=FLAT, Aurora's 12): half.
+# A name is matched by the first key it contains, so a key comes before any shorter key inside it ("H100 PCIe" before
+# "H100"). fp16 is bf16's figure wherever no "fp16" is given.
+PEAK_TFLOPS = {  # {key in the device's name (torch's get_device_name): {dtype: TFLOP/s, None: the device has none}}
     "H100 PCIe": {"bf16": 756, "tf32": 378},
     "H100 NVL": {"bf16": 835, "tf32": 418},
     "H100": {"bf16": 989, "tf32": 495},   # SXM5 ("NVIDIA H100 80GB HBM3")
+    "H200 NVL": {"bf16": 835, "tf32": 418},
     "H200": {"bf16": 989, "tf32": 495},
     "A100": {"bf16": 312, "tf32": 156},
+    "L40S": {"bf16": 362, "tf32": 183},
+    "V100S": {"bf16": None, "fp16": 130, "tf32": None},
+    "V100-PCIE": {"bf16": None, "fp16": 112, "tf32": None},
+    "V100": {"bf16": None, "fp16": 125, "tf32": None},  # SXM2 ("Tesla V100-SXM2-32GB")
+    "MI250X": {"bf16": 191.5, "tf32": None, "fp32": 47.85},  # one die ("AMD Instinct MI250X")
+    "MI300X": {"bf16": 1307.4, "tf32": 653.7, "fp32": 163.4},
+    "Max 1550": {"bf16": 419.5, "tf32": 209.5},  # one stack ("Intel(R) Data Center GPU Max 1550")
 }
-PEAK_SOURCE = "NVIDIA's A100, H100 and H200 datasheets, dense (half the 'with sparsity' figures)"
+PEAK_SOURCE = "the vendors' datasheets, dense (half the 'with sparsity' figures), per device torch sees"
 
 
 def peak_flops(device: torch.device, dtype: str = "bf16") -> float | None:
-    """The device's datasheet peak in FLOP/s for `dtype` ("bf16" or "tf32"), or None where it is not known (a CPU,
-    a GPU not in PEAK_TFLOPS)."""
-    if device.type != "cuda":
+    """The device's datasheet peak in FLOP/s for `dtype` ("bf16", "fp16", "tf32" or "fp32"), or None where none is
+    known: a CPU, a GPU not in PEAK_TFLOPS (peak_missing says so), a dtype the device has no figure for. A ROCm GPU is
+    a "cuda" device to torch; an Intel GPU an "xpu" one."""
+    if device.type not in accelerator.GPU_DEVICE_TYPES:
         return None
-    name = torch.cuda.get_device_name(device)
+    name = accelerator.device_name(device)
     for key, peaks in PEAK_TFLOPS.items():
         if key in name:
-            return peaks[dtype] * 1e12
+            tflops = peaks.get("fp16", peaks["bf16"]) if dtype == "fp16" else peaks.get(dtype)
+            return tflops * 1e12 if tflops else None
     return None
+
+
+def peak_missing(device: torch.device, dtype: str = "bf16") -> str:
+    """The line to print where peak_flops is None. A GPU's MFU needs its own peak: one CPU core's estimate would make a
+    GPU run hundreds of percent efficient."""
+    if device.type not in accelerator.GPU_DEVICE_TYPES:
+        return "peak: no datasheet peak for this device; exercise 3 uses an estimate for one CPU core"
+    return (f"peak: none known for {accelerator.device_name(device)} in {dtype}; look up its dense {dtype} TFLOP/s "
+            f"(not the 'with sparsity' figure) in its datasheet and set peak = <TFLOP/s> * 1e12 to compute its MFU")
 
 
 def cpu_peak_estimate(cores: int, ghz: float, flops_per_cycle: int = 32) -> float:
