@@ -69,3 +69,22 @@ def test_workshop_cpu_takes_the_workshop_code_paths():
     x, y = train[7]
     assert x.shape == (3, 32, 32) and y == 7
     assert not (train[7][0] == train[7][0]).all(), "augmentation: the same image comes out differently each time"
+
+
+def test_digits_read_without_scikit_learn_are_load_digits_and_import_no_scikit_learn():
+    """The digits read from scikit-learn's file are load_digits' arrays, value for value and dtype for dtype, and a
+    smoke dataset costs no scikit-learn import (1.2 s of CPU per rank). Control: load_digits itself imports it."""
+    from sklearn.datasets import load_digits
+
+    from tutorial.core.data import digits_arrays
+    images, labels = digits_arrays()
+    want_images, want_labels = load_digits(return_X_y=True)
+    assert images.dtype == want_images.dtype and labels.dtype == want_labels.dtype
+    assert (images == want_images).all() and (labels == want_labels).all() and images.shape == (1797, 64)
+    probe = ("import sys; from tutorial.core.config import TrainConfig; from tutorial.core.data import build_datasets; "
+             "train, test, info = build_datasets(TrainConfig(dataset='digits')); "
+             "print(len(train) + len(test), 'sklearn' in sys.modules)")
+    control = "import sys; from sklearn.datasets import load_digits; load_digits(); print(1797, 'sklearn' in sys.modules)"
+    for code, imported in ((probe, "False"), (control, "True")):
+        out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120, env=env(), cwd=ROOT)
+        assert out.stdout.split() == ["1797", imported], out.stderr

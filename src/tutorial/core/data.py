@@ -55,9 +55,24 @@ class SyntheticImages(Dataset):
         return self.images[i % 16], i % self.num_classes  # not len(self.images): a Python call per sample
 
 
+def digits_arrays():
+    """The digits as load_digits(return_X_y=True) gives them: 1797 images of 64 values 0-16 (float64), their labels.
+    Read straight from scikit-learn's copy of the file, which is what load_digits reads: importing scikit-learn costs
+    1.2 s of CPU, paid by every rank of every smoke launch (tests/test_data.py holds the two equal). Where a release of
+    scikit-learn moves the file, load_digits it is."""
+    import importlib.util
+
+    import numpy as np
+    path = Path(importlib.util.find_spec("sklearn").origin).parent / "datasets" / "data" / "digits.csv.gz"
+    if not path.is_file():
+        from sklearn.datasets import load_digits
+        return load_digits(return_X_y=True)
+    table = np.loadtxt(path, delimiter=",")
+    return table[:, :-1], table[:, -1].astype(int)
+
+
 def _digits(seed: int = 0):
-    from sklearn.datasets import load_digits
-    images, labels = load_digits(return_X_y=True)
+    images, labels = digits_arrays()
     x = torch.tensor(images, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
     x = (x - 0.3) / 0.35  # roughly zero mean, unit variance
     y = torch.tensor(labels, dtype=torch.long)
