@@ -27,12 +27,11 @@ NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_
 # record of every process group checked against README's allocation table). All but the four named below run as a
 # one-GPU attendee's (the row most attendees have, and the one with most branches: ranks sharing the GPU over gloo,
 # or moved to the CPU); the notebooks whose lessons change with NCCL run again on a full node of 8 GPUs (the seeds'
-# ThetaGPU node): 00's first all-reduce, 03a's process group and comm hooks by hand, 08's plain Lightning script and
-# 10's flight recorder; of 08 and 10 only the cells whose groups change with it (tests/simgpu/lane.py
-# FULL_NODE_CELLS: 8 min for both whole, under load). 03b is not among them: its SyncBatchNorm needs CUDA-only
-# kernels (batch_norm_stats) that the simulation does not have (README's blind spots). The workshop-cpu preset, so that the workshop preset's code paths run too
-# (what the workshop-cpu lane on the CPU did before: the ranks that the allocation moves to the CPU still run it
-# there).
+# ThetaGPU node): 00's first all-reduce, 03a's process group and comm hooks by hand, 03b's SyncBatchNorm, 08's plain
+# Lightning script and 10's flight recorder; of 03b, 08 and 10 only the cells whose groups change with it
+# (tests/simgpu/lane.py FULL_NODE_CELLS: 8 min for 08 and 10 whole, under load). The workshop-cpu preset, so that the
+# workshop preset's code paths run too (what the workshop-cpu lane on the CPU did before: the ranks that the
+# allocation moves to the CPU still run it there).
 # --nbval-lax: every assert holds, outputs are not compared (the allocation lines differ from the stored ones).
 SIMGPU = TUTORIAL_PRESET=workshop-cpu PYTHONPATH=$(CURDIR)/tests/simgpu $(BIN)/python -m pytest -p lane \
 	--nbval-lax --nbval-cell-timeout $(NBVAL_TIMEOUT)
@@ -49,8 +48,8 @@ CPU_LANE_NOTEBOOKS = notebooks/04_mixed_precision.ipynb notebooks/09_sharded_tra
 #   which the simulation cannot follow (the cell hung past 600 s, 2026-11-27): its GPU branch is gpu-check's stage 6.
 NO_LANE_NOTEBOOKS = notebooks/06_multi_node.ipynb notebooks/12_performance_clinic.ipynb
 ONE_GPU_NOTEBOOKS ?= $(filter-out $(CPU_LANE_NOTEBOOKS) $(NO_LANE_NOTEBOOKS),$(wildcard notebooks/[0-9][0-9]*_*.ipynb))
-FULL_NODE_NOTEBOOKS ?= notebooks/00_setup.ipynb notebooks/03a_ddp_by_hand.ipynb notebooks/08_lightning.ipynb \
-	notebooks/10_when_things_go_wrong.ipynb
+FULL_NODE_NOTEBOOKS ?= notebooks/00_setup.ipynb notebooks/03a_ddp_by_hand.ipynb notebooks/03b_ddp_trainer.ipynb \
+	notebooks/08_lightning.ipynb notebooks/10_when_things_go_wrong.ipynb
 # JUnit XML of one pytest run, beside the lane times (scripts/suite_times.py reads both).
 junit = --junitxml=$(TIMES)/$(1).xml -o junit_family=xunit2
 SIMGPU_ONE_GPU = env TUTORIAL_SIMGPU=1 $(SIMGPU) $(call junit,simgpu-1gpu) $(ONE_GPU_NOTEBOOKS)

@@ -128,28 +128,39 @@ def test_the_simulation_refuses_what_cuda_refuses_beyond_devices(tmp_path):
 
 
 PRECISIONS = r"""
-    import json, sys, tempfile
+    import json, math, sys, tempfile
     sys.path.insert(0, sys.argv[1])
     from observe import run_observed
     from tutorial import train_single
+    from tutorial.core import precision as amp
     from tutorial.core.config import TrainConfig
     seen = {}
-    for precision in ("fp32", "bf16", "fp16"):
-        cfg = TrainConfig.preset("smoke").replace(epochs=1, max_steps=3, quiet=True, precision=precision,
+    for name, precision in (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("planted", "fp16")):
+        if name == "planted":  # the planted bug: an fp16 step that never unscales (optimizer.step on scaled gradients)
+            amp.Precision.step = lambda self, optimizer, parameters, clip_grad=0.0: optimizer.step()
+        cfg = TrainConfig.preset("smoke").replace(epochs=1, max_steps=6, quiet=True, precision=precision,
                                                   out=tempfile.mkdtemp())
-        seen[precision] = run_observed(train_single.main, cfg)["observed"]["dtypes"]
+        metrics = run_observed(train_single.main, cfg)
+        loss = metrics["epochs"][-1]["train_loss"]
+        seen[name] = [metrics["observed"]["dtypes"], loss if math.isfinite(loss) else str(loss)]
     print(json.dumps(seen))
 """
 
 
 def test_autocast_on_a_simulated_gpu_computes_in_the_dtype_a_gpu_gives():
     """--precision bf16 and fp16 on a simulated GPU compute in bfloat16 and float16 (autocast("cuda") as CPU
-    autocast with that dtype), so their branches, GradScaler's included, run as on a GPU; fp32 is the control."""
+    autocast with that dtype), so their branches, GradScaler's included, run as on a GPU: fp16 with its loss scale
+    trains as fp32 does over 6 steps; fp32 is the dtype control. Control of the scaler: an fp16 step that never
+    unscales (the gradients 65536 times too large) leaves a loss far from fp32's, or none."""
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(PRECISIONS), str(ROOT / "tests")], capture_output=True,
                          text=True, timeout=300, cwd=ROOT, env=simulated(1))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.splitlines()[-1]) == {"fp32": ["float32"], "bf16": ["bfloat16"],
-                                                       "fp16": ["float16"]}
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert {name: dtypes for name, (dtypes, _) in seen.items()} == \
+        {"fp32": ["float32"], "bf16": ["bfloat16"], "fp16": ["float16"], "planted": ["float16"]}, seen
+    fp32, fp16, planted = seen["fp32"][1], seen["fp16"][1], seen["planted"][1]
+    assert abs(fp16 - fp32) < 0.05 * fp32, seen
+    assert isinstance(planted, str) or abs(planted - fp32) > fp32, seen
 
 
 HOST_SYNCS = r"""
@@ -212,6 +223,22 @@ NCCL_PAIR = """
     model.register_comm_hook(None, default_hooks.allreduce_hook)
     model(torch.randn(8, 16, device="cuda")).sum().backward()
     print("comm hook", model.module.weight.grad.device)
+    # SyncBatchNorm (kernels CUDA has and the CPU lacks): each rank normalises its half of the batch with the whole
+    # batch's statistics, so outputs, input gradients, running statistics and the ranks' summed weight gradients are
+    # one BatchNorm2d's over the whole batch
+    whole, half = torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(0)), slice(4 * dist.get_rank(), None)
+    half = slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)
+    sync, ref = torch.nn.SyncBatchNorm(3).cuda(), torch.nn.BatchNorm2d(3)
+    x, x_ref = whole[half].cuda().requires_grad_(), whole.clone().requires_grad_()
+    out, out_ref = sync(x), ref(x_ref)
+    (out * out.detach().cos()).sum().backward()
+    (out_ref * out_ref.detach().cos()).sum().backward()
+    grads = torch.stack([sync.weight.grad.cpu(), sync.bias.grad.cpu()])
+    dist.all_reduce(grads := grads.cuda())
+    errors = [(out.cpu() - out_ref[half]).abs().max(), (x.grad.cpu() - x_ref.grad[half]).abs().max(),
+              (sync.running_mean.cpu() - ref.running_mean).abs().max(), (sync.running_var.cpu() - ref.running_var).abs().max(),
+              (grads.cpu() - torch.stack([ref.weight.grad, ref.bias.grad])).abs().max()]
+    print("sync bn", out.device, max(e.item() for e in errors))
     dist.destroy_process_group()
 """
 
@@ -234,6 +261,8 @@ def test_simulated_nccl_refuses_a_shared_gpu_and_cpu_tensors(tmp_path, gpus):
         for out, _ in outs:
             assert "backend nccl" in out and "cpu tensor failed: No backend type associated with device type cpu" \
                 in out and "cuda tensor 2.0 cuda:" in out and "comm hook cuda:" in out
+            sync_bn = next(line.split() for line in out.splitlines() if line.startswith("sync bn"))
+            assert sync_bn[2].startswith("cuda:") and float(sync_bn[3]) < 1e-4, out
         assert sorted(r["uuids"][r["current"]][-1] for r in seen) == ["0", "1"]
     else:
         assert [p.returncode for p in procs] == [3, 3], outs

@@ -40,6 +40,10 @@ PROMISES = {
 # Measured 2026-11-29 (the record of a whole 2-GPU run): 08 made NCCL groups in [13]-[24] and [33] only, 10 in
 # [49]-[51] only; every other group was gloo, typed by a cell or given the CPU, the same under any GPU count.
 FULL_NODE_CELLS = {
+    # [4] starts 2 engines, a GPU each; [28]-[32] SyncBatchNorm and the lesson's own global-batch BatchNorm over NCCL
+    # (SyncBatchNorm's CUDA-only kernels are simgpu.SYNC_BN_KERNELS); [49] stops. Left out: the trainer's runs,
+    # which the one-GPU lane and 08 and 10 here run on NCCL, and the exercises and capstone on CPU tensors.
+    "03b_ddp_trainer": [2, 4, 5, 28, 30, 32, 49],
     # up to [34]: the engines' Lightning and DDP runs and the plain script under torchrun, all on NCCL; [54] stops.
     # Left out: the profiler in this kernel on one device [26]-[27], the in-kernel trainer and CPU launches
     # [36]-[40], the recipes' text [42]-[44], the exercises on CPU tensors [48]-[52].

@@ -22,6 +22,8 @@ resumes without one piles onto the GPU rank 0 saved from).
 What is measured: autocast("cuda", dtype) runs as CPU autocast with that dtype, so bf16 and fp16 branches compute in
 the dtypes a GPU gives and GradScaler sees fp16's overflows; host syncs (item, tolist, bool, printing, a blocking copy
 to the host) are counted per caller (host_syncs(); tests/simgpu/host_syncs.py gives them per training step).
+CUDA-only kernels: SyncBatchNorm's five are computed as CUDA computes them (SYNC_BN_KERNELS), so its statistics and
+collectives run on a simulated full node.
 
 Every process group made is recorded, one JSON line per rank in $TUTORIAL_SIMGPU_RECORD: the backend asked and the
 device, the GPUs the rank sees, its environment's GPU and NCCL variables, and whether it was refused. The lane
@@ -415,6 +417,73 @@ def _where(dev):
             return _check_index(dev)
         return None
     return False
+
+
+# SyncBatchNorm's kernels exist for CUDA only ("Could not run 'aten::batch_norm_stats' with arguments from the 'CPU'
+# backend"): the simulation computes them as the CUDA kernels do, in the input's accumulation type, with torch's own
+# operations (so the results are on the inputs' simulated GPU), and a full node's SyncBatchNorm (03b) runs its
+# collectives and statistics as on GPUs. torch's functions are replaced, not intercepted in the mode: its backward
+# runs where the mode does not see it.
+def _channel_view(t, like):
+    return t.reshape([1, -1] + [1] * (like.dim() - 2))
+
+
+def _reduced_dims(t):
+    return [d for d in range(t.dim()) if d != 1]
+
+
+def _acc(t):
+    import torch
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _bn_stats(input, eps):
+    x = _acc(input)
+    mean, var = x.mean(_reduced_dims(x)), x.var(_reduced_dims(x), unbiased=False)
+    return mean, (var + eps).rsqrt()
+
+
+def _bn_gather_stats_with_counts(input, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts):
+    counts = counts.to(mean_all.dtype).reshape(-1, 1)  # one row per rank: its mean, invstd and sample count
+    n = counts.sum()
+    mean = (mean_all * counts).sum(0) / n
+    var = ((invstd_all.pow(-2) - eps + mean_all.pow(2)) * counts).sum(0) / n - mean.pow(2)
+    if running_mean is not None:
+        running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+    if running_var is not None:  # the unbiased variance, as the CUDA kernel keeps it
+        running_var.mul_(1 - momentum).add_((var * n / (n - 1)).to(running_var.dtype), alpha=momentum)
+    return mean, (var + eps).rsqrt()
+
+
+def _bn_elemt(input, weight, bias, mean, invstd, eps):
+    out = (_acc(input) - _channel_view(mean, input)) * _channel_view(invstd, input)
+    if weight is not None:
+        out = out * _channel_view(weight, input)
+    if bias is not None:
+        out = out + _channel_view(bias, input)
+    return out.to(input.dtype)
+
+
+def _bn_backward_reduce(grad_output, input, mean, invstd, weight, input_g, weight_g, bias_g):
+    dy, xmu = _acc(grad_output), _acc(input) - _channel_view(mean, input)
+    sum_dy, sum_dy_xmu = dy.sum(_reduced_dims(dy)), (dy * xmu).sum(_reduced_dims(dy))
+    grad_weight = (sum_dy_xmu * invstd).to(weight.dtype) if weight_g and weight is not None else None
+    grad_bias = sum_dy.to(weight.dtype) if bias_g and weight is not None else None
+    return sum_dy, sum_dy_xmu, grad_weight, grad_bias
+
+
+def _bn_backward_elemt(grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+    n = count.sum().to(sum_dy.dtype)
+    xmu = _acc(input) - _channel_view(mean, input)
+    scale = invstd * (weight if weight is not None else 1)
+    grad = (_acc(grad_output) - _channel_view(sum_dy / n, input)
+            - xmu * _channel_view(invstd.pow(2) * sum_dy_xmu / n, input)) * _channel_view(scale, input)
+    return grad.to(input.dtype)
+
+
+SYNC_BN_KERNELS = {"batch_norm_stats": _bn_stats, "batch_norm_gather_stats_with_counts": _bn_gather_stats_with_counts,
+                   "batch_norm_elemt": _bn_elemt, "batch_norm_backward_reduce": _bn_backward_reduce,
+                   "batch_norm_backward_elemt": _bn_backward_elemt}
 
 
 def _mode_class(torch):
@@ -891,6 +960,8 @@ def install() -> None:
     _patch_profiler(torch)
     _patch_compile(torch)
     _patch_checkpoint(torch)
+    for name, kernel in SYNC_BN_KERNELS.items():
+        setattr(torch, name, kernel)
     _patch_threads()
     enter_mode()
 
