@@ -92,3 +92,19 @@ def test_exercise_2_accepts_a_static_rendezvous_with_slurms_node_id_only():
     assert lesson.check_sbatch(lambda: static).startswith("correct: 2 nodes, one torchrun per node")
     same_rank = static.replace('"$SLURM_NODEID"', "0")
     assert "every node needs its own --node_rank" in lesson.check_sbatch(lambda: same_rank)
+
+
+def test_exercise_2_rules_are_pure_functions_reported_in_the_tables_order():
+    """check_sbatch is a table of rules, as check-ddp's findings are: each reads only the script as read once, so it
+    can be called alone, and a verdict names the problems in the table's order, not the script's."""
+    right = lesson._read_sbatch(lesson.solution_ddp_sbatch())
+    assert [rule(right) for rule in lesson._SBATCH_RULES] == [None] * len(lesson._SBATCH_RULES)
+    text = sbatch("export NCCL_SOCKET_IFNAME=lo\n" + HEAD, nproc="--nproc_per_node 8")()
+    script = lesson._read_sbatch(text)
+    before = repr(script)
+    found = {rule.__name__: rule(script) for rule in reversed(lesson._SBATCH_RULES)}  # called alone, in any order
+    assert repr(script) == before and found == {rule.__name__: rule(script) for rule in lesson._SBATCH_RULES}
+    problems = [found[rule.__name__] for rule in lesson._SBATCH_RULES if found[rule.__name__]]
+    assert [name for name, problem in found.items() if problem] == ["_no_loopback", "_one_process_per_gpu"]
+    assert problems[0].startswith("line 7: --nproc_per_node 8") and problems[1].startswith("line 5 `export NCCL")
+    assert lesson.check_sbatch(lambda: text) == "wrong: " + "; ".join(problems)

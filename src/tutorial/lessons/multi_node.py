@@ -6,12 +6,14 @@ import contextlib
 import importlib
 import importlib.util
 import json
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.distributed import hold_port
@@ -275,7 +277,6 @@ _FIRST_NODE_VARIABLES = ("SLURM_LAUNCH_NODE_IPADDR",)
 def _endpoint_host_problem(host: str, variables: dict, depth: int = 0) -> str | None:
     """Why `host` (as written in the script, variables unexpanded) is not the job's first node on every node;
     None if it is."""
-    import re
     host = host.strip().strip('"').strip("'")
     if not host:
         return "it is empty"
@@ -308,99 +309,165 @@ def _endpoint_host_problem(host: str, variables: dict, depth: int = 0) -> str | 
     return None  # a fixed host name or address: right if it is the job's first node
 
 
-def check_sbatch(ddp_sbatch) -> str:
-    """Exercise 2: ddp_sbatch() returns a Slurm batch script for 2 nodes x 4 GPUs: one srun task per node, torchrun
-    on each with one process per GPU, a c10d rendezvous on the first node. Names every wrong line. The torchrun
-    line is read with torchrun's own parser, so every spelling torchrun accepts is accepted here."""
-    import contextlib
+@dataclass(frozen=True)
+class _Sbatch:
+    """A batch script read once: what check_sbatch's rules look at, so each rule is a function of this alone."""
+    lines: list  # (first line number, text) of each shell line, continuations joined
+    options: dict  # #SBATCH option without its dashes -> (value, line number, the line)
+    variables: dict  # shell variable -> what the script assigns it, unexpanded
+    srun: tuple | None  # (line number, line) of the first srun line; None if there is none
+    unreadable: str  # why the srun line is not valid shell; "" if it is
+    torchrun: object  # the argparse.Namespace torchrun's own parser makes of what srun starts; None if none
+    unparsed: str  # why torchrun's parser refused those arguments; "" if it did not or srun starts no torchrun
+    node_rank: str  # --node_rank as written: "$SLURM_NODEID" is right on every node, and no int for the parser
+    tasks: tuple  # --ntasks-per-node (value, line number, line): srun's own, in front of torchrun, wins over #SBATCH
+
+
+def _read_sbatch(text: str) -> _Sbatch:
+    """The script read once; the srun line's torchrun arguments read by torchrun's own parser."""
     import io
-    import re
     import shlex
     from torch.distributed.run import get_args_parser
-    script = ddp_sbatch()
-    if not isinstance(script, str):
-        return f"wrong: ddp_sbatch returned {type(script).__name__}, not the script's text"
-    lines = _logical_lines(script)
-    sbatch, variables = {}, {}
+    lines = _logical_lines(text)
+    options, variables = {}, {}
     for n, line in lines:
-        if line.startswith("#SBATCH"):
-            words = line.split()[1:]
-            for i, option in enumerate(words):
-                if not option.startswith("-"):
-                    continue
-                key, eq, value = option.partition("=")
-                if not eq and i + 1 < len(words) and not words[i + 1].startswith("-"):
-                    value = words[i + 1]
-                sbatch[key.lstrip("-")] = (value, n, line.strip())
+        words = line.split()[1:] if line.startswith("#SBATCH") else []
+        for i, option in enumerate(words):
+            if not option.startswith("-"):
+                continue
+            key, eq, value = option.partition("=")
+            if not eq and i + 1 < len(words) and not words[i + 1].startswith("-"):
+                value = words[i + 1]
+            options[key.lstrip("-")] = (value, n, line.strip())
         assigned = re.match(r"^\s*(?:export\s+)?(\w+)=(.*)$", line)
         if assigned:
             variables[assigned.group(1)] = assigned.group(2).strip()
-    run = [(n, line.strip()) for n, line in lines if line.strip().startswith("srun")]
-    problems = []
-
-    def option(name, default=None):
-        return sbatch.get(name, (default, None, ""))
-
-    nodes, gpus, tasks = option("nodes"), option("gpus-per-node"), option("ntasks-per-node", "1")
-    if nodes[0] != "2":
-        problems.append(f"line {nodes[1]} `{nodes[2]}`: the job needs --nodes=2" if nodes[1] else "no #SBATCH --nodes=2")
-    if gpus[0] != "4":
-        problems.append(f"line {gpus[1]} `{gpus[2]}`: 4 GPUs per node" if gpus[1] else "no #SBATCH --gpus-per-node=4")
-    if not run:
-        return "wrong: no srun line starts the job's tasks" + ("; " + "; ".join(problems) if problems else "")
-    n, line = run[0]
-    try:
-        words = shlex.split(line, comments=True)
-    except ValueError as exc:
-        return f"wrong: line {n} `{line}` is not valid shell ({exc})"
-    args = _torchrun_args(words)
+    srun = next(((n, line.strip()) for n, line in lines if line.strip().startswith("srun")), None)
+    tasks, args, ns = options.get("ntasks-per-node", ("1", None, "")), None, None
+    unreadable = unparsed = node_rank = ""
+    if srun:
+        n, line = srun
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError as exc:
+            unreadable = f"line {n} `{line}` is not valid shell ({exc})"
+        else:
+            args = _torchrun_args(words)
     if args is not None:
         srun_words = words[:len(words) - len(args)]
-        for i, w in enumerate(srun_words):  # srun's own --ntasks-per-node overrides the #SBATCH line
+        for i, w in enumerate(srun_words):
             if w.startswith("--ntasks-per-node"):
-                value = w.partition("=")[2] or (srun_words[i + 1] if i + 1 < len(srun_words) else "")
-                tasks = (value, n, line)
-        if tasks[0] != "1":
-            problems.append(f"line {tasks[1]} `{tasks[2]}`: srun starts that many torchruns per node, and each "
-                            f"starts --nproc_per_node processes: {tasks[0]} x 4 per node, {tasks[0]} torchruns per node "
-                            "fight over the same GPUs; torchrun needs --ntasks-per-node=1")
-        node_rank = ""  # as written: "$SLURM_NODEID" is right on every node, and no int for the parser
+                tasks = (w.partition("=")[2] or (srun_words[i + 1:] or [""])[0], n, line)
         for i, w in enumerate(args):
             if re.fullmatch(r"--node[-_]rank(=.*)?", w):
-                j, value = (i, w.partition("=")[2]) if "=" in w else (i + 1, args[i + 1] if i + 1 < len(args) else "")
-                node_rank = value
-                if value.startswith("$"):  # parse a stand-in; node_rank keeps what was written
+                j, node_rank = (i, w.partition("=")[2]) if "=" in w else (i + 1, (args[i + 1:] or [""])[0])
+                if node_rank.startswith("$"):  # parse a stand-in; node_rank keeps what was written
                     args = [*args[:j], "--node_rank=0" if j == i else "0", *args[j + 1:]]
                 break
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 ns = get_args_parser().parse_args(args)
         except SystemExit:
-            return "wrong: " + "; ".join([*problems, f"line {n}: torchrun cannot parse `{' '.join(args)}`"])
-        c10d = ns.rdzv_backend == "c10d"
-        endpoint = ns.rdzv_endpoint if c10d else f"{ns.master_addr}:{ns.master_port}"
-        host = endpoint.rsplit(":", 1)[0] if ":" in endpoint else endpoint
-        why = _endpoint_host_problem(host, variables) if c10d or ns.master_addr != "127.0.0.1" else "it is unset"
-        if why:
-            why = "; every node's torchrun would meet itself" if host in _LOCAL else f", but {why}"
-            problems.append(f"line {n} `{line}`: rendezvous at {endpoint or 'nowhere'}{why}. Use the first node of "
-                            "the job: head=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) and "
-                            "\"$head:29500\"")
-        if not c10d and not re.search(r"SLURM_(NODEID|PROCID)", node_rank):
-            problems.append(f"line {n}: with the static rendezvous every node needs its own --node_rank: "
-                            "--node_rank \"$SLURM_NODEID\", or --rdzv_backend c10d, which numbers the nodes itself")
-        nproc = str(ns.nproc_per_node)
-        if nproc not in ("4", "gpu", "auto") and not re.fullmatch(r"\$\{?SLURM_GPUS_(PER|ON)_NODE\}?", nproc):
-            problems.append(f"line {n}: --nproc_per_node {nproc} should be 4, one per GPU")
-        if str(ns.nnodes) not in ("2", "2:2", "$SLURM_NNODES", "${SLURM_NNODES}", "$SLURM_JOB_NUM_NODES"):
-            problems.append(f"line {n}: --nnodes {ns.nnodes}: the job has 2 nodes")
-    elif tasks[0] != gpus[0]:
-        problems.append(f"line {tasks[1]} `{tasks[2]}`: without torchrun, srun starts one task per GPU: "
-                        f"--ntasks-per-node={gpus[0]}")
-    for n, line in lines:
-        if "SOCKET_IFNAME=lo" in line.replace(" ", "").replace('"', "").replace("'", ""):
-            problems.append(f"line {n} `{line.strip()}`: lo is the loopback interface, which the other node cannot "
-                            "reach; name the interface the nodes share (ib0, hsn0, eth0)")
+            unparsed = f"line {n}: torchrun cannot parse `{' '.join(args)}`"
+    return _Sbatch(lines, options, variables, srun, unreadable, ns, unparsed, node_rank, tasks)
+
+
+# check_sbatch's rules: each a pure function of the script as read, giving its problem or None (it does not apply).
+def _an_srun_line(s: _Sbatch) -> str | None:
+    return None if s.srun else "no srun line starts the job's tasks"
+
+
+def _two_nodes(s: _Sbatch) -> str | None:
+    value, n, line = s.options.get("nodes", (None, None, ""))
+    return None if value == "2" else f"line {n} `{line}`: the job needs --nodes=2" if n else "no #SBATCH --nodes=2"
+
+
+def _four_gpus_per_node(s: _Sbatch) -> str | None:
+    value, n, line = s.options.get("gpus-per-node", (None, None, ""))
+    return None if value == "4" else f"line {n} `{line}`: 4 GPUs per node" if n else "no #SBATCH --gpus-per-node=4"
+
+
+def _one_torchrun_per_node(s: _Sbatch) -> str | None:
+    value, n, line = s.tasks
+    if (s.torchrun is None and not s.unparsed) or value == "1":
+        return None
+    return (f"line {n} `{line}`: srun starts that many torchruns per node, and each starts --nproc_per_node "
+            f"processes: {value} x 4 per node, {value} torchruns per node fight over the same GPUs; torchrun needs "
+            "--ntasks-per-node=1")
+
+
+def _one_task_per_gpu(s: _Sbatch) -> str | None:
+    (value, n, line), gpus = s.tasks, s.options.get("gpus-per-node", (None,))[0]
+    if s.srun is None or s.unreadable or s.torchrun is not None or s.unparsed or value == gpus:
+        return None
+    return f"line {n} `{line}`: without torchrun, srun starts one task per GPU: --ntasks-per-node={gpus}"
+
+
+def _torchrun_parses(s: _Sbatch) -> str | None:
+    return s.unparsed or None
+
+
+def _rendezvous_on_first_node(s: _Sbatch) -> str | None:
+    ns = s.torchrun
+    if ns is None:
+        return None
+    c10d = ns.rdzv_backend == "c10d"
+    endpoint = ns.rdzv_endpoint if c10d else f"{ns.master_addr}:{ns.master_port}"
+    host = endpoint.rsplit(":", 1)[0] if ":" in endpoint else endpoint
+    why = _endpoint_host_problem(host, s.variables) if c10d or ns.master_addr != "127.0.0.1" else "it is unset"
+    if not why:
+        return None
+    why = "; every node's torchrun would meet itself" if host in _LOCAL else f", but {why}"
+    return (f"line {s.srun[0]} `{s.srun[1]}`: rendezvous at {endpoint or 'nowhere'}{why}. Use the first node of the "
+            "job: head=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) and \"$head:29500\"")
+
+
+def _own_node_rank(s: _Sbatch) -> str | None:
+    if s.torchrun is None or s.torchrun.rdzv_backend == "c10d" or re.search(r"SLURM_(NODEID|PROCID)", s.node_rank):
+        return None
+    return (f"line {s.srun[0]}: with the static rendezvous every node needs its own --node_rank: "
+            "--node_rank \"$SLURM_NODEID\", or --rdzv_backend c10d, which numbers the nodes itself")
+
+
+def _one_process_per_gpu(s: _Sbatch) -> str | None:
+    nproc = "4" if s.torchrun is None else str(s.torchrun.nproc_per_node)
+    if nproc in ("4", "gpu", "auto") or re.fullmatch(r"\$\{?SLURM_GPUS_(PER|ON)_NODE\}?", nproc):
+        return None
+    return f"line {s.srun[0]}: --nproc_per_node {nproc} should be 4, one per GPU"
+
+
+def _torchrun_nodes(s: _Sbatch) -> str | None:
+    nnodes = "2" if s.torchrun is None else str(s.torchrun.nnodes)
+    if nnodes in ("2", "2:2", "$SLURM_NNODES", "${SLURM_NNODES}", "$SLURM_JOB_NUM_NODES"):
+        return None
+    return f"line {s.srun[0]}: --nnodes {nnodes}: the job has 2 nodes"
+
+
+def _no_loopback(s: _Sbatch) -> str | None:
+    if s.srun is None or s.unparsed:  # no srun line, or one torchrun refuses: the verdict is that line and #SBATCH's
+        return None
+    return "; ".join(f"line {n} `{line.strip()}`: lo is the loopback interface, which the other node cannot reach; "
+                     "name the interface the nodes share (ib0, hsn0, eth0)" for n, line in s.lines
+                     if "SOCKET_IFNAME=lo" in line.replace(" ", "").replace('"', "").replace("'", "")) or None
+
+
+# A verdict names its problems in this order.
+_SBATCH_RULES = (_an_srun_line, _two_nodes, _four_gpus_per_node, _one_torchrun_per_node, _one_task_per_gpu,
+                 _torchrun_parses, _rendezvous_on_first_node, _own_node_rank, _one_process_per_gpu, _torchrun_nodes,
+                 _no_loopback)
+
+
+def check_sbatch(ddp_sbatch) -> str:
+    """Exercise 2: ddp_sbatch() returns a Slurm batch script for 2 nodes x 4 GPUs: one srun task per node, torchrun
+    on each with one process per GPU, a c10d rendezvous on the first node. Names every wrong line. The torchrun
+    line is read with torchrun's own parser, so every spelling torchrun accepts is accepted here."""
+    text = ddp_sbatch()
+    if not isinstance(text, str):
+        return f"wrong: ddp_sbatch returned {type(text).__name__}, not the script's text"
+    script = _read_sbatch(text)
+    if script.unreadable:  # shlex cannot split the srun line: that alone is said
+        return f"wrong: {script.unreadable}"
+    problems = [problem for problem in (rule(script) for rule in _SBATCH_RULES) if problem]
     if problems:
         return "wrong: " + "; ".join(problems)
     return "correct: 2 nodes, one torchrun per node with 4 processes each, meeting on the job's first node"
