@@ -37,7 +37,7 @@ def test_one_collective_per_step_carries_both_flags(calls):
         assert not checkpoint.stop_requested(agreed[-1])
     assert agreed == [None, tracking.Agreement(2, False), None, tracking.Agreement(4, False)]
     assert len(calls) == 2 and all(len(values) == 2 for values in calls)
-    Sigterm.received = True  # what the handler sets
+    Sigterm.request()  # what the handler does
     assert log.step(5, torch.tensor(2.5), 0.1, 1.0) is None  # not a logged step: no agreement, so no stop yet
     agreement = log.step(6, torch.tensor(2.5), 0.1, 1.0)
     assert agreement == tracking.Agreement(6, True) and checkpoint.stop_requested(agreement) and len(calls) == 3
@@ -47,7 +47,7 @@ def test_stop_requested_reads_only_the_value_it_is_given(calls):
     """The negative control: a SIGTERM that this process received but the ranks have not agreed on (a step that was
     not logged) stops nothing, and stop_requested makes no collective of its own (one rank stopping alone would
     leave the others waiting in their next all-reduce)."""
-    Sigterm.received = True
+    Sigterm.request()
     assert not checkpoint.stop_requested(None) and calls == []
     assert not checkpoint.stop_requested(tracking.Agreement(4, False))
     assert checkpoint.stop_requested(tracking.Agreement(4, True)) and calls == []

@@ -94,8 +94,18 @@ class Sigterm:
         return cls.received
 
     @classmethod
+    def request(cls) -> bool:
+        """Ask for the stop a SIGTERM asks for (the engines' Interrupt does); True if one was asked already."""
+        already, cls.received = cls.received, True
+        return already
+
+    @classmethod
+    def clear(cls) -> None:
+        cls.received = False
+
+    @classmethod
     def _handler(cls, signum, frame):
-        cls.received = True
+        cls.request()
 
 
 def run_main(main, cfg) -> None:

@@ -387,11 +387,10 @@ def _run_interruptibly(fn, args: tuple, kwargs: dict):
     step and rank 0 saves whole. A second SIGINT (the run did not stop in time, or fn never looks at the flag) is a
     KeyboardInterrupt."""
     def stop_request(signum, frame):
-        if Sigterm.received:
+        if Sigterm.request():
             raise KeyboardInterrupt
-        Sigterm.received = True
 
-    Sigterm.received = False
+    Sigterm.clear()
     previous = signal.signal(signal.SIGINT, stop_request)
     try:
         return fn(*args, **kwargs)
@@ -401,4 +400,4 @@ def _run_interruptibly(fn, args: tuple, kwargs: dict):
         return Interrupted(str(exc))
     finally:
         signal.signal(signal.SIGINT, previous)
-        Sigterm.received = False
+        Sigterm.clear()
