@@ -14,9 +14,10 @@ BIN := $(VENV)/bin
 # test's and notebook cell's duration; the report at its end prints the halves' balance and the slowest tests.
 TIMES := results/test-times
 TIMED = $(PYTHON) scripts/suite_times.py run
-# make test runs its two halves side by side: the unit tests, and the notebooks (strict nbval, then the workshop-cpu
+# make test runs its two halves side by side: the unit tests, and the notebooks (strict nbval, then the simulated-GPU
 # lane). Most tests and cells wait on process starts, rendezvous and sleeps as much as they compute, so the halves fill
-# each other's gaps: on a 2-core VM (2026-11-25) the unit tests and strict nbval together took 21 min side by side.
+# each other's gaps: on the slowest machine seen, a 2-core AVX2 EPYC, a fresh clone's halves took 41.5 and 42.9 min
+# side by side (results/suite_times.md, 2026-11-29).
 # Two notebooks at once are avoided (pytest-xdist, tried: the lanes share run folders and ports, and 01's
 # loader-workers check failed), and so are two launches of the same notebook.
 # Strict nbval as users type it (pytest --nbval notebooks/); notebooks/conftest.py pins the preset the stored outputs
