@@ -63,10 +63,14 @@ def _torch_build_fix(torch, driver_cuda: str) -> str:
     if not usable:
         return (f"{fits}; no torch {torch.__version__.split('+')[0]} build supports CUDA {driver_cuda}: "
                 "ask for a newer NVIDIA driver, or pin an older torch/torchvision pair in requirements.txt")
-    tag = "cu" + usable[0].replace(".", "")
+    from .core.accelerator import NVIDIA
+    return f"{fits}; install the CUDA {usable[0]} build: {_reinstall(NVIDIA.wheels + usable[0].replace('.', ''))}"
+
+
+def _reinstall(index: str) -> str:
+    """The command that puts the pinned torch/torchvision pair built for another runtime (a wheel index) in place."""
     pair = " ".join(f"{name}=={v}" for name, v in _pins(("torch", "torchvision")))
-    return (f"{fits}; install the CUDA {usable[0]} build: .venv/bin/pip install --force-reinstall {pair} "
-            f"--index-url https://download.pytorch.org/whl/{tag}")
+    return f".venv/bin/pip install --force-reinstall {pair} --index-url {index}"
 
 
 def _pins(names) -> list[tuple[str, str]]:
@@ -130,16 +134,13 @@ def _vendor_build_fix(torch, gpus) -> str:
         return (f"torch is built for XPU but sees no GPU: check {where}, the Level Zero loader (level-zero package) "
                 "and that you are in the render group")
     built = f"torch is built for {accelerator.runtime()}" if accelerator.vendor() else "torch is a CPU build"
-    pair = " ".join(f"{name}=={v}" for name, v in _pins(("torch", "torchvision")))
     if gpus is accelerator.AMD:
         rocm = accelerator.node_rocm()
-        index = gpus.wheels + (rocm or "<X.Y>")
         which = f"ROCm {rocm} is installed here" if rocm else "X.Y: the node's ROCm"
-        return (f"{built}, not ROCm; install a ROCm build: .venv/bin/pip install --force-reinstall {pair} "
-                f"--index-url {index} ({which}; pytorch.org lists the ROCm versions each torch is built for), "
-                "or use the site's ROCm torch")
-    return (f"{built}, not XPU; install the XPU build: .venv/bin/pip install --force-reinstall {pair} "
-            f"--index-url {gpus.wheels}, or use the site's XPU torch (on Aurora: module load frameworks)")
+        return (f"{built}, not ROCm; install a ROCm build: {_reinstall(gpus.wheels + (rocm or '<X.Y>'))} ({which}; "
+                "pytorch.org lists the ROCm versions each torch is built for), or use the site's ROCm torch")
+    return (f"{built}, not XPU; install the XPU build: {_reinstall(gpus.wheels)}, or use the site's XPU torch (on "
+            "Aurora: module load frameworks)")
 
 
 def doctor_rows():

@@ -642,7 +642,7 @@ def _patch_compile(torch) -> None:
         dynamo.explain = explain_
 
     # Patched when something imports dynamo, not before: importing it costs 1.7 s of CPU in every process of the lane
-    # (the kernel, each engine and rank, each loader worker), where a plain `import torch` costs 2.5 s.
+    # (the kernel, each engine and rank), where a plain `import torch` costs 2.5 s.
     _after_import("torch._dynamo", patch_explain)
 
 
