@@ -28,8 +28,9 @@ NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_
 # record of every process group checked against README's allocation table). All but the four named below run as a
 # one-GPU attendee's (the row most attendees have, and the one with most branches: ranks sharing the GPU over gloo,
 # or moved to the CPU); the notebooks whose lessons change with NCCL run again on a full node of 8 GPUs (the seeds'
-# ThetaGPU node): 00's first all-reduce, 03a's process group and comm hooks by hand, 03b's SyncBatchNorm, 08's plain
-# Lightning script and 10's flight recorder; of 03b, 08 and 10 only the cells whose groups change with it
+# ThetaGPU node): 00's first all-reduce, 01's trainer with every GPU visible, 03a's process group and comm hooks by
+# hand, 03b's SyncBatchNorm, 07's all-reduce sweep and DDP step on 8 engines (smoke preset), 08's plain Lightning
+# script and 10's flight recorder; of 01, 03b, 07, 08 and 10 only the cells whose groups or devices change with it
 # (tests/simgpu/lane.py FULL_NODE_CELLS: 8 min for 08 and 10 whole, under load). The workshop-cpu preset, so that the
 # workshop preset's code paths run too (what the workshop-cpu lane on the CPU did before: the ranks that the
 # allocation moves to the CPU still run it there).
@@ -49,8 +50,9 @@ CPU_LANE_NOTEBOOKS = notebooks/04_mixed_precision.ipynb notebooks/09_sharded_tra
 #   which the simulation cannot follow (the cell hung past 600 s, 2026-11-27): its GPU branch is gpu-check's stage 6.
 NO_LANE_NOTEBOOKS = notebooks/06_multi_node.ipynb notebooks/12_performance_clinic.ipynb
 ONE_GPU_NOTEBOOKS ?= $(filter-out $(CPU_LANE_NOTEBOOKS) $(NO_LANE_NOTEBOOKS),$(wildcard notebooks/[0-9][0-9]*_*.ipynb))
-FULL_NODE_NOTEBOOKS ?= notebooks/00_setup.ipynb notebooks/03a_ddp_by_hand.ipynb notebooks/03b_ddp_trainer.ipynb \
-	notebooks/08_lightning.ipynb notebooks/10_when_things_go_wrong.ipynb
+FULL_NODE_NOTEBOOKS ?= notebooks/00_setup.ipynb notebooks/01_single_device.ipynb notebooks/03a_ddp_by_hand.ipynb \
+	notebooks/03b_ddp_trainer.ipynb notebooks/07_scaling_study.ipynb notebooks/08_lightning.ipynb \
+	notebooks/10_when_things_go_wrong.ipynb
 # JUnit XML of one pytest run, beside the lane times (scripts/suite_times.py reads both).
 junit = --junitxml=$(TIMES)/$(1).xml -o junit_family=xunit2
 SIMGPU_ONE_GPU = env TUTORIAL_SIMGPU=1 $(SIMGPU) $(call junit,simgpu-1gpu) $(ONE_GPU_NOTEBOOKS)

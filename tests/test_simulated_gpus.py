@@ -3,7 +3,7 @@ CUDA and NCCL would (else the lane could not fail), the rows of README's allocat
 node, a shared node's subset, a GPU bound per task), and the exercise checkers on their GPU branch.
 
 The lane itself (the numbered notebooks under one simulated GPU but 04, 06, 09 and 12, whose reasons the
-Makefile gives; 00, 03a, 08 and 10 on a full node of 8) is `make test`'s
+Makefile gives; 00, 01, 03a, 03b, 07, 08 and 10 on a full node of 8) is `make test`'s
 SIMGPU_LANE; tests/simgpu/simgpu.py says what is simulated and what is not."""
 from __future__ import annotations
 
@@ -392,3 +392,19 @@ def test_the_lanes_check_cannot_pass_empty_or_half_recorded():
     assert lane.problems_of("03b_ddp_trainer", group_of("nccl", [0, 1], 2), allocates=True) == []
     # torch's fake process group is one process playing every rank (11's and 12's layout dry runs): not a half record
     assert lane.table_problems([dict(e, backend="fake") for e in half]) == []
+
+
+def test_the_full_node_cells_are_the_notebooks_cells():
+    """FULL_NODE_CELLS are indices into notebooks that change: each named notebook is in the full-node lane, each
+    index is one of its cells, and the last code cell kept stops what the kept cells started (an index that a new
+    cell shifted would leave engines or loader workers running, or run a cell without the one it needs)."""
+    import shlex
+    lanes = subprocess.run(["make", "-s", "-n", "-p", "help"], cwd=ROOT, capture_output=True, text=True).stdout
+    listed = next(line for line in lanes.splitlines() if line.startswith("FULL_NODE_NOTEBOOKS ")).split("=", 1)[1]
+    full_node = {p.split("/")[-1].removesuffix(".ipynb") for p in shlex.split(listed)}
+    assert set(lane.FULL_NODE_CELLS) <= full_node and set(lane.FULL_NODE_PRESET) <= full_node
+    for notebook, kept in lane.FULL_NODE_CELLS.items():
+        cells = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text())["cells"]
+        assert max(kept) < len(cells), notebook
+        last = "".join(cells[max(i for i in kept if cells[i]["cell_type"] == "code")]["source"])
+        assert "cluster.stop()" in last or "child_processes()" in last, (notebook, last)

@@ -33,7 +33,8 @@ def measure(main, cfg) -> dict:
     for steps in (STEPS, 2 * STEPS):
         simgpu.reset_host_syncs()
         length = {"steps": steps} if hasattr(cfg, "steps") else {"max_steps": steps}  # ParallelConfig: train_gpt
-        main(dataclasses.replace(cfg, out=tempfile.mkdtemp(prefix="host_syncs_"), **length))
+        with tempfile.TemporaryDirectory(prefix="host_syncs_") as out:  # its checkpoint and logs: not kept
+            main(dataclasses.replace(cfg, out=out, **length))
         counts.append({f"{where} {kind}": n for (where, kind), n in simgpu.host_syncs().items()
                        if where.startswith("tutorial")})
     added = {k: n - counts[0].get(k, 0) for k, n in counts[1].items() if n != counts[0].get(k, 0)}

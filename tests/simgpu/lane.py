@@ -40,6 +40,10 @@ PROMISES = {
 # Measured 2026-11-29 (the record of a whole 2-GPU run): 08 made NCCL groups in [13]-[24] and [33] only, 10 in
 # [49]-[51] only; every other group was gloo, typed by a cell or given the CPU, the same under any GPU count.
 FULL_NODE_CELLS = {
+    # One process on one of the 8 GPUs: the trainer [7] and the profiler's CUDA activity [9] with every GPU visible
+    # (a trainer that spread itself over the node, as nn.DataParallel does by default, would show here); [32] checks
+    # its loader's workers are gone. Left out: the profiler's tables and exercises, the same as on one GPU.
+    "01_single_device": [2, 7, 9, 32],
     # [4] starts 2 engines, a GPU each; [28]-[32] SyncBatchNorm and the lesson's own global-batch BatchNorm over NCCL
     # (SyncBatchNorm's CUDA-only kernels are simgpu.SYNC_BN_KERNELS); [49] stops. Left out: the trainer's runs,
     # which the one-GPU lane and 08 and 10 here run on NCCL, and the exercises and capstone on CPU tensors.
@@ -48,12 +52,23 @@ FULL_NODE_CELLS = {
     # Left out: the profiler in this kernel on one device [26]-[27], the in-kernel trainer and CPU launches
     # [36]-[40], the recipes' text [42]-[44], the exercises on CPU tensors [48]-[52].
     "08_lightning": [*range(0, 26), *range(28, 35), 54],
+    # [10] the one-process base launch, which sets the ladder 1, 2, 4, 8; [19]-[23] 8 engines, a GPU each, and the
+    # all-reduce sweep over NCCL among the first 2, 4 and 8 ranks (subgroups: new_group on a full node); [26]-[34] DDP's
+    # step, its no_sync and a bare all-reduce of the gradient on 8 NCCL ranks; [63] stops them. Left out: the weak and
+    # strong launches [12]-[16] (29 more ranks of train_ddp on NCCL, which 03b, 08 and 10 run here), and the cells
+    # that read results/ or check exercises [36]-[59]. Under the smoke preset (FULL_NODE_PRESET).
+    "07_scaling_study": [2, 10, *range(19, 24), *range(26, 30), 31, 32, 34, 63],
     # [1] starts the engines; [45]-[52] the flight recorder's variables and the NCCL groups of a killed rank's run
     # resumed on restarted engines (lane PROMISES); [69]-[86] the exercise checkers' gloo groups beside them (a freed
     # NCCL group's address once read a gloo group as NCCL there), and the stop. Left out: the gloo groups typed by
     # hand in [3]-[43] and the launches hidden from the GPUs (CUDA_VISIBLE_DEVICES=) in [47] and [54]-[67].
     "10_when_things_go_wrong": [*range(0, 3), 45, *range(48, 53), *range(68, 88)],
 }
+
+
+# The preset of a notebook's full-node run where the lane's (workshop-cpu: ResNet-18) would not fit 2 cores: 8 ranks of
+# ResNet-18 take about a second a step each there. The smoke preset's CNN runs the same cells and collectives.
+FULL_NODE_PRESET = {"07_scaling_study": "smoke"}
 
 
 def groups(entries: list[dict]) -> dict[str, list[dict]]:
@@ -153,6 +168,7 @@ def _cell_index(item) -> int:
 
 
 _last: dict[str, str] = {}
+_LANE_PRESET = os.environ.get("TUTORIAL_PRESET", "")
 
 
 def pytest_configure(config):
@@ -171,9 +187,15 @@ def pytest_collection_modifyitems(config, items):
             _last[Path(str(item.fspath)).stem] = item.nodeid
 
 
+@pytest.hookimpl(tryfirst=True)  # before nbval's setup starts the notebook's kernel, which inherits the environment
 def pytest_runtest_setup(item):
     if str(item.fspath).endswith(".ipynb"):
         import time
+
+        if os.environ.get("TUTORIAL_SIMGPU_CELLS") == "full-node":
+            preset = FULL_NODE_PRESET.get(Path(str(item.fspath)).stem, _LANE_PRESET)
+            if preset:
+                os.environ["TUTORIAL_PRESET"] = preset
 
         with open(RECORD, "a") as f:
             f.write(json.dumps(dict(kind="cell", notebook=Path(str(item.fspath)).stem, cell=_cell_index(item),
