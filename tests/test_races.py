@@ -226,3 +226,24 @@ def test_ranks_that_find_different_checkpoints_stop_together_instead_of_divergin
     together = resume("none")  # control: every rank sees the same disk
     assert together.returncode == 0, together.stderr[-3000:]
     assert json.loads((out / "metrics.json").read_text())["steps"] == 8
+
+
+def test_the_rendezvous_answers_where_to_meet_and_leaves_the_environment_alone(monkeypatch):
+    """A launcher's MASTER_ADDR and MASTER_PORT are used as given; without them a lone process holds a port of its
+    own for each process group and tells its caller, editing no one's environment (a notebook kernel's second run
+    once found the first run's port there and had to guess whether a launcher had set it). Two trainings in one
+    process on that path: test_frameworks' DCP resume; Lightning's adopted group: 08 and test_lightning_launch."""
+    from tutorial.core.distributed import rendezvous
+    from tutorial.core.lightning_glue import WorldEnvironment
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    before = dict(os.environ)
+    (addr, first), (_, second) = rendezvous(World()), rendezvous(World())
+    assert addr == "127.0.0.1" and first != second and dict(os.environ) == before
+    lightning = WorldEnvironment(World())
+    meeting = (lightning.main_address, lightning.main_port)  # Lightning reads them one after the other: one choice
+    assert meeting == (lightning.main_address, lightning.main_port) and meeting[0] == addr
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    assert rendezvous(World(0, 0, 4, 2)) == ("10.0.0.1", 29511)
+    assert rendezvous(World(1, 1, 2, 2, "torchrun")) == ("10.0.0.1", 29511)

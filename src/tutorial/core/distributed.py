@@ -117,31 +117,27 @@ def hold_port() -> int:
     raise RuntimeError("no port could be held for the rendezvous in 20 tries (torch's multi-tenant store cache)")
 
 
-def rendezvous(world: World) -> None:
-    """Set MASTER_ADDR and MASTER_PORT unless the launcher (torchrun, tutorial.launch.engines, the user) already did.
+def rendezvous(world: World) -> tuple[str, int]:
+    """Where the ranks meet: MASTER_ADDR and MASTER_PORT if the launcher set them (torchrun, tutorial.launch.engines,
+    the user), else an address and port every rank derives alike. The environment is left as it was, so a second run
+    in the same process (a notebook kernel) chooses again instead of finding the first run's port.
 
     Under MPI, rank 0 holds a port (hold_port) and broadcasts it with mpi4py, so two jobs on one node never collide;
     a lone process holds its own. Otherwise all ranks derive the same port from the job's environment.
     """
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        return
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     single_node = world.local_world_size == world.world_size
     addr = "127.0.0.1" if single_node else (_first_host() or socket.gethostname())
     if world.launcher in ("openmpi", "pals", "mpich"):
         from mpi4py import MPI
         mine = (addr if single_node else socket.gethostname(), hold_port()) if world.rank == 0 else None
-        addr, port = MPI.COMM_WORLD.bcast(mine, root=0)
-    elif world.world_size == 1:
-        port = hold_port()
-    elif os.environ.get("SLURM_JOB_ID"):  # a job's own port: two jobs on a node differ unless 20000 ids apart
-        port = 20000 + int(os.environ["SLURM_JOB_ID"]) % 20000
-    else:  # torch's own default, which every rank can derive
-        port = 29500
-    os.environ.setdefault("MASTER_ADDR", addr)
-    os.environ.setdefault("MASTER_PORT", str(port))
-
-
-_chosen: tuple[str, str] | None = None  # the MASTER_ADDR and MASTER_PORT that rendezvous() chose, not a launcher
+        return MPI.COMM_WORLD.bcast(mine, root=0)
+    if world.world_size == 1:
+        return addr, hold_port()
+    if os.environ.get("SLURM_JOB_ID"):  # a job's own port: two jobs on a node differ unless 20000 ids apart
+        return addr, 20000 + int(os.environ["SLURM_JOB_ID"]) % 20000
+    return addr, 29500  # torch's own default, which every rank can derive
 
 
 class RendezvousTimeout(TimeoutError):
@@ -155,15 +151,7 @@ def init_process_group(world: World, device: torch.device, timeout: float = 300.
     if dist.is_initialized():
         return False
     backend = dist.get_default_backend_for_device(device) if backend == "auto" else backend
-    global _chosen
-    if (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")) == _chosen:
-        # Our own choice for an earlier run in this process (a notebook kernel): its store may still hold the port.
-        del os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-    given = "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
-    rendezvous(world)
-    if not given:
-        _chosen = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
-    store = rendezvous_store(world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
+    store = rendezvous_store(world, *rendezvous(world), timeout)
     if backend == "nccl":
         if device.type != "cuda":
             raise ConfigError("backend nccl needs a CUDA GPU per rank and this rank has none; use --backend gloo")

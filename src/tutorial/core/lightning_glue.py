@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 import warnings
 
@@ -16,6 +15,8 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
+
+from .distributed import rendezvous
 
 
 class WorldEnvironment(ClusterEnvironment):
@@ -25,19 +26,26 @@ class WorldEnvironment(ClusterEnvironment):
 
     def __init__(self, world):
         super().__init__()
-        self.world = world
+        self.world, self._chosen = world, None
 
     @property
     def creates_processes_externally(self) -> bool:
         return True
 
+    # Lightning asks where to meet only to make the process group, and it exists already (init_process_group, or a
+    # %%px cell): then these are never read. Without a group they are the rendezvous core.distributed would choose.
     @property
     def main_address(self) -> str:
-        return os.environ["MASTER_ADDR"]
+        return self._meeting()[0]
 
     @property
     def main_port(self) -> int:
-        return int(os.environ["MASTER_PORT"])
+        return self._meeting()[1]
+
+    def _meeting(self) -> tuple[str, int]:
+        if self._chosen is None:  # once: a lone process holds a new port at each rendezvous()
+            self._chosen = rendezvous(self.world)
+        return self._chosen
 
     @staticmethod
     def detect() -> bool:
