@@ -293,6 +293,50 @@ def test_the_tag_check_catches_a_removed_line():
     assert sorted(found) == ["if False:", "model.train()"], found
 
 
+def lineage(stage: str) -> list[str]:
+    """The stage and its parents up to the trainer that has none (train_single, train_gpt)."""
+    chain = [stage]
+    while (parent := PARENTS.get(chain[-1]) or MODEL_PARALLEL_STAGES.get(chain[-1], (None,))[0]):
+        chain.append(parent)
+    return chain
+
+
+def test_every_trainer_is_held_to_the_root_of_its_family():
+    """Why `duplicates` pairs the trainers (21 pairs on src/, 2026-11-29, every one between two image trainers or two
+    GPT trainers): each loop trainer is a tagged diff of its parent, so two of one family share their common
+    ancestor's untagged lines, and the tag rule holds each to it. Two families, each one tree: the image trainers
+    under train_single, the model-parallel ones under train_gpt; a fix to a shared loop is made once, in the root
+    (and its copies, by the rule below). train_lightning hands its loop to Lightning and is no diff (OTHER_TRAINERS)."""
+    trainers = {*STAGES, *PARENTS.values(), *MODEL_PARALLEL_STAGES, "train_gpt"}
+    assert {p.stem for p in SRC.glob("train_*.py")} == {*trainers, *OTHER_TRAINERS}
+    roots = {t: lineage(t)[-1] for t in trainers}
+    assert {t for t, root in roots.items() if root == "train_single"} == {"train_single", *STAGES}
+    assert {t for t, root in roots.items() if root == "train_gpt"} == {"train_gpt", *MODEL_PARALLEL_STAGES}
+
+
+def test_a_fix_made_in_one_sibling_only_fails_the_rule():
+    """accelerate's example-difference test, as the tag rule gives it: a fix to the shared epoch loop (here, patience
+    read from the train loss) made in train_ddp alone fails train_ddp (an untagged line over train_single) and its
+    children fsdp and deepspeed (a parent's line they lack); made in train_single alone, it fails every child of
+    train_single; made in all seven, nobody."""
+    fixed = 'if patience_exhausted(cfg, log.metrics["epochs"], key="train_loss"):'
+    original = 'if patience_exhausted(cfg, log.metrics["epochs"]):'
+
+    def problems(stage: str, texts: dict) -> list[str]:
+        parent = PARENTS[stage]
+        return untagged_additions(texts.get(parent, read(parent)), texts.get(stage, read(stage)), STAGES[stage],
+                                  STAGES.get(parent, ""))
+
+    loop_trainers = ["train_single", *STAGES]
+    assert all(read(t).count(original) == 1 for t in loop_trainers)
+    in_ddp = {"train_ddp": read("train_ddp").replace(original, fixed)}
+    assert {s for s in STAGES if problems(s, in_ddp)} == {"train_ddp", "train_fsdp", "train_deepspeed"}
+    in_single = {"train_single": read("train_single").replace(original, fixed)}
+    assert {s for s in STAGES if problems(s, in_single)} == {"train_dp", "train_ddp", "train_horovod"}
+    everywhere = {t: read(t).replace(original, fixed) for t in loop_trainers}
+    assert [s for s in STAGES if problems(s, everywhere)] == []
+
+
 def test_the_model_parallel_tag_check_catches_an_untagged_line():
     sneaky = read("train_2d").replace("    optimizer.step()\n", "    optimizer.step()\n    model.zero_grad()\n")
     assert sneaky_lines(sneaky, "train_2d") == ["model.zero_grad()"]
