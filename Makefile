@@ -84,7 +84,7 @@ help:
 	@echo "make notebooks  re-execute every notebook in place to refresh stored outputs (CPU preset)"
 	@echo "make slides     one reveal.js deck per notebook in slides/: speaker notes, fits the screen, opens offline"
 	@echo "make bench      throughput, all-reduce and trainer-vs-bare-loop benchmarks, appended to results/"
-	@echo "make gpu-check  on a GPU node, STAGE=1..5 (8 min each; 1 and 2 first): trainers, NCCL, notebooks, ResNet-50;"
+	@echo "make gpu-check  on a GPU node, STAGE=1..6 (8 min each; 1 and 2 first): trainers, NCCL, notebooks, ResNet-50;"
 	@echo "                RESULTS=DIR for the results; ARGS=--list shows a stage's checks and estimates"
 	@echo "make gpu-bundle where there is internet: the pinned wheels an offline GPU node lacks, into .whl/ (<= 60 MiB)"
 	@echo "make doctor     what is installed and whether the workbook can run here"

@@ -4,7 +4,9 @@ stderr (01, 02, 04, 05, and 07's engines); the line that states a measured compa
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import statistics
 import sys
 
 import torch
@@ -88,11 +90,88 @@ def _value(v: float) -> str:
     return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.3g}" if abs(v) >= 10 or abs(v) < 0.1 else f"{v:.2f}"
 
 
-def comparison(a_name: str, a: float, b_name: str, b: float, unit: str = "") -> str:
-    """'compared here: bf16 6096 samples/s against fp32 5537 samples/s: bf16 is 1.10x fp32' (04, 05, 09)."""
-    unit = f" {unit}" if unit else ""
-    ratio = f"{a / b:.2f}x" if b else "no ratio (the second value is 0)"
-    return f"compared here: {a_name} {_value(a)}{unit} against {b_name} {_value(b)}{unit}: {a_name} is {ratio} {b_name}"
+def comparison(a_name: str, a, b_name: str, b, unit: str = "", *, warmup: int = 0, faster: str | None = None,
+               repeat: str = "repeat") -> str:
+    """The line that states a measured comparison (04, 05, 09).
+
+    Two numbers give their ratio and no verdict: 'compared here: bf16 6096 samples/s against fp32 5537 samples/s:
+    bf16 is 1.10x fp32'. One number per run cannot tell a difference from the machine's noise, so where a run can be
+    repeated, pass its repeats (the samples/s of every epoch, the seconds of every timed repeat) and the line says
+    which is faster only when the noise cannot explain it:
+
+    - the first `warmup` repeats of each run are dropped (the first epoch allocates memory, starts the loader's
+      workers and picks kernels); the rest are the run's steady repeats, and each run is summed up by their median,
+      which one disturbed repeat (another process took the CPU) does not move;
+    - A is called faster than B only when every steady repeat of A beat every steady repeat of B (the two runs'
+      ranges, min to max, do not overlap), and that is unlikely by chance: were both runs n and m draws of one
+      distribution, their ranges would fall apart (in either direction) with probability 2 / C(n + m, n), the
+      extreme of the Mann-Whitney test. A verdict needs that chance at most 1/10 (NOISE_CHANCE): 3 repeats against 3
+      are the fewest that can name a winner (2/20), 5 against 5 do it by chance 1 time in 126;
+    - otherwise the two are "within noise", with the medians' difference and the two ranges that overlap (or the
+      number of repeats that is too small to tell); a run with nothing but its warm-up has nothing to compare.
+
+    faster: "higher" (rates: samples/s) or "lower" (seconds); by default it follows the unit ("/s" higher, "s",
+    "ms", "us" lower); any other unit gets "A 1.31x B, beyond the noise" instead of "faster". repeat: what one
+    repeat is called in the line ("epoch").
+
+    Review 6's run of 04 (f7f8195), whose mean rates said "bf16 is 1.30x fp32" while by time fp32 was ahead:
+    'compared here: bf16 8492 samples/s against fp32 6507 samples/s (medians of 3 epochs each, after 1 warm-up
+    epoch): bf16 and fp32 are within noise (bf16 1.31x fp32, but the runs' ranges overlap: bf16 392-9040, fp32
+    6460-6634 samples/s)'. One bf16 epoch was disturbed (3.7 s instead of 0.2 s): the medians do not move, and
+    the verdict is withheld, since a run that noisy cannot tell a 31% difference.
+    """
+    space = f" {unit}" if unit else ""
+    if not (_is_sequence(a) or _is_sequence(b)):
+        ratio = f"{a / b:.2f}x" if b else "no ratio (the second value is 0)"
+        return (f"compared here: {a_name} {_value(a)}{space} against {b_name} {_value(b)}{space}: "
+                f"{a_name} is {ratio} {b_name}")
+    runs = [[float(v) for v in (r if _is_sequence(r) else [r])] for r in (a, b)]
+    if min(map(len, runs)) <= warmup:  # a preset of one epoch (workshop-cpu): only its warm-up
+        return (f"compared here: {a_name} against {b_name}: nothing to compare (the runs have {len(runs[0])} and "
+                f"{len(runs[1])} {repeat}s, and the first {warmup} of each is warm-up)")
+    (a_steady, b_steady), faster = [sorted(r[warmup:]) for r in runs], faster or _faster_way(unit)
+    if faster not in ("higher", "lower", "neutral"):
+        raise ValueError(f"comparison: faster={faster!r}; allowed: 'higher' (rates), 'lower' (times) or None")
+    a_mid, b_mid = statistics.median(a_steady), statistics.median(b_steady)
+    n, m = len(a_steady), len(b_steady)
+    each = f"{n} {repeat}s each" if n == m else f"{n} and {m} {repeat}s"
+    after = f", after {warmup} warm-up {repeat}{'s' if warmup > 1 else ''}" if warmup else ""
+    head = (f"compared here: {a_name} {_value(a_mid)}{space} against {b_name} {_value(b_mid)}{space} "
+            f"(medians of {each}{after})")
+    if not (a_mid and b_mid):
+        return f"{head}: no ratio (a median is 0)"
+    ranges = (f"{a_name} {_value(a_steady[0])}-{_value(a_steady[-1])}, "
+              f"{b_name} {_value(b_steady[0])}-{_value(b_steady[-1])}{space}")
+    ratio = f"{a_name} {a_mid / b_mid:.2f}x {b_name}"
+    disjoint = a_steady[0] > b_steady[-1] or b_steady[0] > a_steady[-1]
+    chance = 2 / math.comb(n + m, n)
+    if not disjoint:
+        return f"{head}: {a_name} and {b_name} are within noise ({ratio}, but the runs' ranges overlap: {ranges})"
+    if chance > NOISE_CHANCE:
+        return (f"{head}: {a_name} and {b_name} are within noise ({ratio}; the ranges {ranges} do not overlap, but "
+                f"{n} {repeat}s against {m} fall apart so by chance 1 time in {1 / chance:.3g}: too few to tell)")
+    if faster == "neutral":
+        return f"{head}: {ratio}, beyond the noise (the runs' ranges do not overlap: {ranges})"
+    a_ahead = (a_mid > b_mid) == (faster == "higher")
+    (win, win_mid), (lose, lose_mid) = ((a_name, a_mid), (b_name, b_mid)) if a_ahead else ((b_name, b_mid),
+                                                                                          (a_name, a_mid))
+    times = win_mid / lose_mid if faster == "higher" else lose_mid / win_mid
+    return (f"{head}: {win} is {times:.2f}x faster than {lose}, beyond the noise (the runs' ranges do not overlap: "
+            f"{ranges})")
+
+
+# The largest chance, were both runs draws of one distribution, at which comparison() still names a winner.
+NOISE_CHANCE = 1 / 10
+
+
+def _is_sequence(v) -> bool:
+    return isinstance(v, (list, tuple)) or (isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def _faster_way(unit: str) -> str:
+    if unit.endswith("/s"):
+        return "higher"
+    return "lower" if unit in ("s", "ms", "us", "\u00b5s", "seconds") else "neutral"
 
 
 def trend(what: str, x_name: str, xs, ys) -> str:
