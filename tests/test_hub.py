@@ -6,8 +6,12 @@ Both attendees log in on the hub's page with their own accounts (made here, remo
 queue behind a job that holds the node's GPUs, and the spawn page names the job and its state; then each lab runs as
 a Slurm job of its attendee on the same node of the workshop's reservation, with the course's shared venv and kernel
 and its own GPU. Each opens 00_setup, starts engines and runs the first all-reduce (the notebook's cells), at the same
-time. One ends the session with `end-my-session` and logs out; the other closes the tab, and the idle culler stops
-the lab. Then no job, no attendee process, no account, no hub process, no port and no namespace is left.
+time. While both labs run, no one gets into another's lab (the first attendee's browser, own token and lab's token
+against the second's lab and the hub's API; the tokens' and the hub's files), and squeue fails for a while without
+losing a lab (tests/test_hub_controls.py shows that both checks fail on a hub that opens labs to all or reads a failed
+poll as a finished job). One ends the session with `end-my-session` and logs out; the other closes the tab, and the
+idle culler stops the lab. Then no job, no attendee process, no account, no hub process, no port and no namespace is
+left.
 
 Needs root (namespaces, accounts), Slurm (installed with apt-get the first time, as the virtual-cluster tests do),
 chromium and the playwright wheel, and `make install`'s hub pieces (jupyterhub, batchspawner, the culler, the proxy
@@ -16,15 +20,21 @@ each lab go to the test's tmp_path, as tests/test_lab_ui.py's do; their paths ar
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import pwd
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -47,6 +57,7 @@ COMPUTE = "node2"      # the reservation's node: both labs share it
 IDLE_S = 30            # the site's idle time in this test (site.toml: an hour)
 BUDGET_S = 480         # the whole test, nodes up to nothing left: 212-250 s on 2 cores with a load average of 17
 FIRST = "00_setup.ipynb"
+BODY = "(document.body ? document.body.innerText : '')"  # the page's text; none while a page is replaced by the next
 
 
 def missing() -> str:
@@ -115,6 +126,11 @@ def test_make_hub_says_what_is_wrong_in_one_line():
 @pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "ready")
 @pytest.mark.timeout(BUDGET_S + 120)  # beyond pyproject's 300 s; the budget's own assert says by how much it ran over
 def test_two_attendees_log_in_run_00_on_slurm_jobs_and_leave_nothing(tmp_path):
+    workshop(tmp_path)
+
+
+def workshop(tmp_path: Path, config: Path = rehearsal.CONFIG) -> None:
+    """The test above; tests/test_hub_controls.py runs it on hubs with a control's config, where it must fail."""
     from playwright.sync_api import sync_playwright
     try:
         slurm.install(slurm.PACKAGES)
@@ -126,10 +142,12 @@ def test_two_attendees_log_in_run_00_on_slurm_jobs_and_leave_nothing(tmp_path):
     private = {f: f.stat().st_mode for f in ways}  # what reachable_by_attendees may open, and must close again
     site = site_file(tmp_path)
     tag = child_processes.new_tag()
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **{child_processes.TAG_VARIABLE: tag})  # reaches the labs
     uids, port = {}, None
     with whole_cluster.cluster(2, with_slurm=True, gpus=2), rehearsal.attendees(list(ATTENDEES)) as passwords, \
-            rehearsal.reachable_by_attendees(ROOT, venv):
+            rehearsal.reachable_by_attendees(ROOT, venv), failing_squeue() as squeue_fails:
+        # squeue_fails.parent leads the hub's PATH: its squeue fails while the file squeue_fails exists.
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), PATH=f"{squeue_fails.parent}:{os.environ['PATH']}",
+                   **{child_processes.TAG_VARIABLE: tag})  # reaches the labs
         uids = {name: pwd.getpwnam(name).pw_uid for name in ATTENDEES}
         for name in ATTENDEES:
             keep_every_cell_rendered(name)
@@ -138,13 +156,13 @@ def test_two_attendees_log_in_run_00_on_slurm_jobs_and_leave_nothing(tmp_path):
         # A job that holds both of the node's GPUs: the attendees' labs wait in the queue until it ends.
         blocker = on_login_node("sbatch", "--parsable", f"--reservation={RESERVATION}", "--gres=gpu:2",
                                 "--output=/dev/null", "--wrap", "sleep 600")
-        with rehearsal.Hub(site, tmp_path / "hub-state", env) as hub, sync_playwright() as p:
+        with rehearsal.Hub(site, tmp_path / "hub-state", env, config=config) as hub, sync_playwright() as p:
             port = hub.port
             browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
                                         args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                                               "--no-first-run", "--disable-component-update", "--disable-sync"])
             try:
-                drive(browser, hub, passwords, blocker, tmp_path)
+                drive(browser, hub, passwords, blocker, tmp_path, squeue_fails)
             finally:
                 browser.close()
                 print(f"hub log: {hub.log_path}")
@@ -164,6 +182,7 @@ def test_two_attendees_log_in_run_00_on_slurm_jobs_and_leave_nothing(tmp_path):
     assert not child_processes.leftovers(tag), "the hub, its proxy, culler or forwarder outlived the test"
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still answers"
+    assert not squeue_fails.parent.exists()
     print(f"two attendees, nodes up to nothing left: {time.monotonic() - start:.0f} s")
     assert time.monotonic() - start < BUDGET_S
 
@@ -181,7 +200,7 @@ def keep_every_cell_rendered(name: str) -> None:
             shutil.chown(Path(folder, file), name, name)
 
 
-def drive(browser, hub, passwords: dict, blocker: str, tmp_path: Path) -> None:
+def drive(browser, hub, passwords: dict, blocker: str, tmp_path: Path, squeue_fails: Path) -> None:
     first, second = ATTENDEES
     pages = {}
     for name in ATTENDEES:  # each attendee in their own browser profile, as on their own laptop
@@ -196,16 +215,14 @@ def drive(browser, hub, passwords: dict, blocker: str, tmp_path: Path) -> None:
             page.click("#login_submit")
         # The spawn page says where each lab is: a Slurm job, pending, and Slurm's reason (the node's GPUs are taken).
         for name, page in pages.items():
-            page.wait_for_function("() => /Slurm job \\d+ is PENDING \\(/.test(document.body.innerText)",
-                                   timeout=60_000)
+            page.wait_for_function(f"() => /Slurm job \\d+ is PENDING \\(/.test({BODY})", timeout=60_000)
         shot(pages[first], tmp_path / "queue.png")
         on_login_node("scancel", blocker)
         for name, page in pages.items():
             page.wait_for_url(re.compile(f"/user/{name}/lab"), timeout=150_000)
             page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell")
             assert page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current").inner_text().strip() == FIRST
-            page.wait_for_function("() => document.body.innerText.includes('Python (distributed tutorial) | Idle')",
-                                   timeout=90_000)
+            page.wait_for_function(f"() => {BODY}.includes('Python (distributed tutorial) | Idle')", timeout=90_000)
         # 00_setup's cells up to the first all-reduce, in both labs at once: the stored outputs cleared first (Edit >
         # Clear Outputs of All Cells), then Run > Run All Above Selected Cell.
         after_all_reduce = first_cell_after("dist.all_reduce(total")
@@ -231,6 +248,13 @@ def drive(browser, hub, passwords: dict, blocker: str, tmp_path: Path) -> None:
             assert jobs()[facts["job"]] == f"RUNNING {name} {COMPUTE}", jobs()
         assert {where[first]["gpus"], where[second]["gpus"]} == {"0", "1"}, where  # one GPU each, not the same
         assert where[first]["port"] != where[second]["port"] and where[first]["job"] != where[second]["job"]
+        checks = time.monotonic()
+        tokens = {name: personal_token(hub, name, passwords[name]) for name in ATTENDEES}
+        no_one_in_anothers_lab(pages, hub, tokens, tmp_path / "hub-state")
+        print(f"no one in another's lab: checked in {time.monotonic() - checks:.1f} s")
+        checks = time.monotonic()
+        labs_outlive_failing_squeue(pages, hub, tokens, where, squeue_fails)
+        print(f"squeue fault: checked in {time.monotonic() - checks:.1f} s")
         # The second attendee closes the tab: the culler stops the lab after IDLE_S idle seconds, and its job ends.
         pages[second].close()
         closed = time.monotonic()
@@ -278,7 +302,7 @@ def job_facts(page) -> dict:
     type_cell(page, "import os, socket, getpass, sys; print('FACTS', os.environ['SLURM_JOB_ID'], socket.gethostname(), "
                     "getpass.getuser(), os.environ.get('CUDA_VISIBLE_DEVICES', '-'), "
                     "os.environ['JUPYTERHUB_SERVICE_URL'].rsplit(':', 1)[1].split('/')[0], sys.prefix)")
-    page.wait_for_function("() => document.body.innerText.includes('FACTS ')", timeout=30_000)
+    page.wait_for_function(f"() => {BODY}.includes('FACTS ')", timeout=30_000)
     line = next(t for t in page.locator(".jp-OutputArea-output").all_inner_texts() if t.startswith("FACTS "))
     return dict(zip(("job", "host", "user", "gpus", "port", "prefix"), line.split()[1:]))
 
@@ -302,3 +326,208 @@ def menu(page, top: str, item: str) -> None:
 def shot(page, path: Path) -> None:
     page.screenshot(path=str(path))
     print(f"screenshot: {path}")
+
+
+# ------------------------------------------------------------------ no one in another's lab (issue 53, item 3)
+def personal_token(hub, name: str, password: str) -> str:
+    """The token an attendee gets from the hub's Token page, here with their password (JupyterHub's API accepts it in
+    the request body): the attendee's own scopes, their lab included."""
+    request = urllib.request.Request(
+        f"{hub.url}/hub/api/users/{name}/tokens", method="POST",
+        data=json.dumps({"auth": {"username": name, "password": password}, "expires_in": 600,
+                         "note": "test_hub"}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        return json.load(answer)["token"]
+
+
+def lab_token(name: str) -> str:
+    """The token the hub gave `name`'s lab (JUPYTERHUB_API_TOKEN of its jupyterhub-singleuser), read as root."""
+    import psutil
+    for proc in psutil.process_iter(["username", "cmdline"]):
+        if proc.info["username"] == name and "jupyterhub-singleuser" in " ".join(proc.info["cmdline"] or []):
+            return proc.environ()["JUPYTERHUB_API_TOKEN"]
+    raise AssertionError(f"{name} has no jupyterhub-singleuser process")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # a redirect is an answer to look at, not to follow
+
+
+def http(method: str, url: str, token: str | None = None, body: dict | None = None) -> tuple[int, str]:
+    """(status, Location or the body's start) of one request with `token`, no cookies, redirects
+    not followed."""
+    request = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Authorization": f"token {token}"} if token else {})
+    try:
+        with urllib.request.build_opener(_NoRedirect).open(request, timeout=60) as answer:
+            return answer.status, answer.read(2000).decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Location") or exc.read(2000).decode(errors="replace")
+
+
+def websocket_status(url: str, token: str) -> int:
+    """The status of a websocket handshake with `token`: 101 when it connects (the connection is closed at once)."""
+    import base64
+    import http.client
+    import urllib.parse
+    where = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+    try:
+        connection.request("GET", where.path, headers={
+            "Authorization": f"token {token}", "Connection": "Upgrade", "Upgrade": "websocket",
+            "Sec-WebSocket-Version": "13", "Sec-WebSocket-Key": base64.b64encode(os.urandom(16)).decode()})
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def as_user(name: str, *cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["runuser", "-u", name, "--", *cmd], capture_output=True, text=True, timeout=120)
+
+
+def hub_answer(status_and_body: tuple[int, str]) -> list:
+    status, body = status_and_body
+    return [status, json.loads(body).get("message") if body.startswith("{") else body]
+
+
+def no_one_in_anothers_lab(pages: dict, hub, tokens: dict, state_dir: Path) -> None:
+    """Attendee A (the first), logged in, with their browser's cookies, their own token and their lab's token, tries
+    to open, list and execute in B's lab and to read B on the hub's API: every answer is JupyterHub's refusal. B's
+    own token gets the same URLs' answers (the requests are right; the refusals are about who asks). Then the files:
+    no token of A's lab is readable by B anywhere a user can look (A can), and the hub's database and cookie secret
+    are root's only. tests/test_hub_controls.py opens every lab to every user: this then fails."""
+    a, b = ATTENDEES
+    lab = f"{hub.url}/user/{b}"
+    request = urllib.request.Request(f"{lab}/api/kernels", headers={"Authorization": f"token {tokens[b]}"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        kernels = json.load(answer)
+    assert kernels, f"{b}'s lab runs no kernel"
+    channels = f"{lab}/api/kernels/{kernels[0]['id']}/channels"
+    owner = {"GET contents": http("GET", f"{lab}/api/contents", tokens[b])[0],
+             "GET hub user": http("GET", f"{hub.url}/hub/api/users/{b}", tokens[b])[0],
+             "websocket": websocket_status(channels, tokens[b])}
+    assert owner == {"GET contents": 200, "GET hub user": 200, "websocket": 101}, owner
+
+    # A's browser, logged in as A, opens B's lab: B's lab sends it to the hub's OAuth page, which refuses A.
+    page = pages[a].context.new_page()
+    try:
+        answer = page.goto(f"{lab}/lab")
+        seen = (answer.status, page.url.split("?")[0].removeprefix(hub.url), page.inner_text("body")[:300])
+    finally:
+        page.close()
+    cookies = pages[a].context.request
+    found = {
+        "browser opens lab": seen[:2],
+        "cookies GET lab": cookies.get(f"{lab}/lab", max_redirects=0).status,
+        "cookies GET kernels": cookies.get(f"{lab}/api/kernels", max_redirects=0).status,
+        "cookies GET contents": cookies.get(f"{lab}/api/contents", max_redirects=0).status,
+        "cookies POST kernels": cookies.post(f"{lab}/api/kernels", data={"name": "tutorial"}, max_redirects=0).status,
+    }
+    token = tokens[a]
+    found |= {
+        "personal token GET kernels": http("GET", f"{lab}/api/kernels", token)[0],
+        "personal token GET contents": http("GET", f"{lab}/api/contents", token)[0],
+        "personal token POST kernels": http("POST", f"{lab}/api/kernels", token, {"name": "tutorial"})[0],
+        "personal token POST terminals": http("POST", f"{lab}/api/terminals", token, {})[0],
+        "personal token websocket": websocket_status(channels, token),
+        "personal token hub API user": hub_answer(http("GET", f"{hub.url}/hub/api/users/{b}", token)),
+        "personal token hub API no-such-user": hub_answer(http("GET", f"{hub.url}/hub/api/users/nobody-here", token)),
+    }
+    token = lab_token(a)  # what A's notebook finds in its environment
+    found |= {
+        "lab token GET contents": http("GET", f"{lab}/api/contents", token)[0],
+        "lab token POST kernels": http("POST", f"{lab}/api/kernels", token, {"name": "tutorial"})[0],
+        "lab token websocket": websocket_status(channels, token),
+        "lab token hub API user": hub_answer(http("GET", f"{hub.url}/hub/api/users/{b}", token)),
+    }
+    print("A in B's lab:", json.dumps(found, indent=1))
+    print("browser page:", seen[2])
+    refused = {key: 403 for key in found} | {
+        "browser opens lab": [403, "/hub/api/oauth2/authorize"], "cookies GET lab": 302,
+        **{key: [404, "No access to resources or resources not found"]  # the same as for a user that does not exist
+           for key in ("personal token hub API user", "personal token hub API no-such-user", "lab token hub API user")}}
+    assert json.loads(json.dumps(found)) == refused, f"{a} in {b}'s lab: {found}"
+
+    # The files. As B, in every file B can read that was written since the hub started (the tokens are younger), and
+    # in every process's environment and command line: no token of A's. The same search as A finds A's lab token.
+    secrets = "\n".join([tokens[a], token])
+    since = (state_dir / "jupyterhub_cookie_secret").stat().st_mtime - 1
+    processes = glob.glob("/proc/[0-9]*/environ") + glob.glob("/proc/[0-9]*/cmdline")
+    seen_by = {}
+    for name in (a, b):
+        new = as_user(name, "find", "/tmp", "/var/tmp", "/dev/shm", "/run", "/var/spool", "/var/log", "/home",
+                      "-newermt", f"@{since:.0f}", "-type", "f", "-readable").stdout.split("\n")
+        grep = subprocess.run(["runuser", "-u", name, "--", "grep", "-lsF", "-D", "skip", "-f", "-", "--",
+                               *filter(None, new), *processes],  # the tokens on stdin: command lines are public
+                              input=secrets, capture_output=True, text=True, timeout=120)
+        seen_by[name] = grep.stdout.split()
+    print(f"{a}'s tokens, readable by {a} in: {seen_by[a]}")
+    assert seen_by[b] == [], f"{a}'s tokens are readable by {b} in {seen_by[b]}"
+    assert any(re.fullmatch(r"/proc/\d+/environ", f) for f in seen_by[a]), f"{a} finds no token of theirs: {seen_by}"
+    assert as_user(b, "ls", f"/home/{a}").returncode != 0, f"{b} lists {a}'s home"
+    # The hub's state: root's only, and B cannot read it.
+    private = [state_dir, *(state_dir / f for f in ("jupyterhub_cookie_secret", "jupyterhub.sqlite"))]
+    private += sorted(state_dir.glob("jupyterhub.sqlite-*"))  # sqlite's journal, if one is there
+    modes = {str(f.relative_to(state_dir.parent)): oct(stat.S_IMODE(f.stat().st_mode)) for f in private}
+    print("hub state:", modes)
+    assert all(f.stat().st_uid == 0 and not f.stat().st_mode & 0o077 for f in private), modes
+    for f in private[1:]:
+        assert as_user(b, "cat", str(f)).returncode != 0, f"{b} reads {f}"
+
+
+# ------------------------------------------------------ a squeue that fails for a while (issue 53, item 2)
+SQUEUE_DOWN_S = 8  # squeue fails this long: one or more of each lab's polls (the hub polls every IDLE_S // 6 s)
+SLURM_BUSY = "slurm_load_jobs error: Zero Bytes were transmitted or received"  # an overloaded slurmctld's answer
+
+
+@contextlib.contextmanager
+def failing_squeue():
+    """A folder holding an `squeue` that answers as a busy slurmctld does (SLURM_BUSY, exit code 1) while the file
+    it yields exists, and is Slurm's squeue otherwise. The hub queries as the attendee (runuser), so the folder is
+    readable by all, outside the test's private tmp_path; it is removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="hub-squeue-"))
+    try:
+        folder.chmod(0o755)
+        marker, squeue = folder / "fail", folder / "squeue"
+        squeue.write_text(f'#!/bin/sh\nif [ -e {marker} ]; then echo "{SLURM_BUSY}" >&2; exit 1; fi\n'
+                          f'exec {shutil.which("squeue") or "/usr/bin/squeue"} "$@"\n')
+        squeue.chmod(0o755)
+        yield marker
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def labs_outlive_failing_squeue(pages: dict, hub, tokens: dict, where: dict, squeue_fails: Path) -> None:
+    """The hub's squeue fails for SQUEUE_DOWN_S seconds while both labs run: the hub's polls meet the failure, and
+    afterwards each lab is still running for the hub, its job still runs, and the attendee's next request reaches
+    the same lab (the same kernel). tests/test_hub_controls.py runs this on a spawner that reads a failed poll as
+    a finished job (batchspawner's own query_job_status): this then fails."""
+    def kernels(name: str) -> list[str]:
+        request = urllib.request.Request(f"{hub.url}/user/{name}/api/kernels",
+                                         headers={"Authorization": f"token {tokens[name]}"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return sorted(k["id"] for k in json.load(answer))
+    before = {name: kernels(name) for name in ATTENDEES}
+    logged = len(hub.log_path.read_text(errors="replace"))
+    squeue_fails.touch()
+    try:
+        time.sleep(SQUEUE_DOWN_S)
+    finally:
+        squeue_fails.unlink()
+    log = hub.log_path.read_text(errors="replace")[logged:]
+    failed = len(re.findall(rf"batchspawner:\d+\] {re.escape(SLURM_BUSY)}", log))  # one line per failed squeue
+    assert failed >= len(ATTENDEES), f"the hub's polls met the failing squeue {failed} times: {log[-2000:]}"
+    for name in ATTENDEES:
+        request = urllib.request.Request(f"{hub.url}/hub/api/users/{name}",
+                                         headers={"Authorization": f"token {tokens[name]}"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            server = json.load(answer)["servers"].get("", {})
+        assert server.get("ready"), f"{name}'s lab is gone for the hub after squeue failed {failed} times: " \
+                                    f"{server}; hub log: {log[-2000:]}"
+        answer = pages[name].context.request.get(f"{hub.url}/user/{name}/api/status", max_redirects=0)
+        assert answer.status == 200, f"{name}'s next request does not reach the lab: {answer.status}"
+        assert kernels(name) == before[name], f"{name}'s lab is not the same one"
+        assert jobs()[where[name]["job"]] == f"RUNNING {name} {COMPUTE}", jobs()
+        assert f"Slurm job {where[name]['job']} of {name}: squeue failed" in log, log[-2000:]
+    print(f"squeue failed for {SQUEUE_DOWN_S} s, {failed} failed polls: both labs still run, same kernels")

@@ -9,7 +9,11 @@ What the day needs, and where it is:
 - a lab nobody uses is stopped after site.toml's idle_seconds and its job ends (jupyterhub-idle-culler, a service of
   this hub), and File > Log Out stops it at once;
 - `end-my-session` (tools/hub/bin) ends one's own lab from a notebook cell or a terminal;
-- two attendees on one node get disjoint GPUs (Slurm's gres) and ports (each server picks a free one).
+- two attendees on one node get disjoint GPUs (Slurm's gres) and ports (each server picks a free one);
+- a squeue that fails for a while (a busy or restarting slurmctld) does not end a lab
+  (SlurmJobSpawner.query_job_status);
+- no attendee reaches another's lab (JupyterHub's default roles: a user may access their own server only; no role
+  here grants access:servers to users), and the hub's database and cookie secret are readable by root only.
 """
 import asyncio
 import os
@@ -19,7 +23,7 @@ import tomllib
 from pathlib import Path
 
 import batchspawner  # noqa: F401 - registers the API handler through which a lab tells the hub its port
-from batchspawner import SlurmSpawner
+from batchspawner import JobStatus, SlurmSpawner, format_template
 from traitlets import Unicode
 
 HERE = Path(__file__).resolve().parent
@@ -30,6 +34,10 @@ checkout = Path(course["checkout"] or HERE.parents[1])
 venv = Path(course["venv"] or checkout / ".venv")
 state_dir = Path(hub["state_dir"])
 state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+state_dir.chmod(0o700)  # it holds the database (every lab's token hash and state) and the cookie secret: root's only
+db_file = state_dir / "jupyterhub.sqlite"
+db_file.touch(mode=0o600)  # sqlite would make it with the hub's umask (0644); its journals take the file's mode
+db_file.chmod(0o600)
 idle = int(hub["idle_seconds"])
 # How often a lab reports activity to the hub and the hub reads the proxy's: often enough that a lab in use is never
 # taken for idle (the defaults, 5 min, would be longer than a short idle time), rarely enough for 50 labs.
@@ -44,6 +52,34 @@ class SlurmJobSpawner(SlurmSpawner):
     req_venv = Unicode(str(venv))
     req_data_dir = Unicode(course["data_dir"] or str(checkout / "data"))
     req_workbook = Unicode(course["workbook"])
+
+    async def query_job_status(self):
+        """batchspawner's query, except for a squeue that fails. batchspawner 1.3.0 takes squeue's error message as
+        the job's state: unless it matches state_unknown_re (two slurm_load_jobs messages), the job reads as gone,
+        poll() clears the job id and the hub drops the lab while its job runs on, out of the hub's sight. Here a
+        failed squeue is no answer (UNKNOWN: the lab stays and the next poll asks again), except Slurm's own answer
+        for a job it no longer knows, "Invalid job id specified". A job that ends during an outage is noticed at the
+        first poll that succeeds."""
+        if not self.job_id:
+            self.job_status = ""
+            return JobStatus.NOTFOUND
+        subvars = dict(self.get_req_subvars(), job_id=self.job_id)
+        cmd = " ".join(format_template(part, **subvars) for part in (self.exec_prefix, self.batch_query_cmd))
+        try:
+            answer = await self.run_command(cmd)
+        except Exception as exc:  # run_command raises RuntimeError(stderr) when squeue exits non-zero
+            if "Invalid job id specified" in str(exc):
+                self.job_status = ""
+                return JobStatus.NOTFOUND
+            self.log.warning("Slurm job %s of %s: squeue failed (%s); its state is unknown, the lab is kept",
+                             self.job_id, self.user.name, str(exc).strip()[-300:] or type(exc).__name__)
+            return JobStatus.UNKNOWN  # job_status keeps squeue's last answer (the progress line, the node)
+        self.job_status = answer
+        if self.state_isrunning():
+            return JobStatus.RUNNING
+        if self.state_ispending():
+            return JobStatus.PENDING
+        return JobStatus.NOTFOUND  # no line (the job left the queue) or a state past running: COMPLETED, FAILED...
 
     async def progress(self):
         while True:

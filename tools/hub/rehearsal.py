@@ -58,6 +58,8 @@ def attendees(names: list[str]):
                 raise HubError(f"user {name!r} exists already; the rehearsal makes (and removes) its own attendees")
             subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", name], check=True, timeout=30,
                            capture_output=True)
+            # Private, as a site's homes are (Debian's useradd makes them 0755): no attendee lists another's files.
+            Path(pwd.getpwnam(name).pw_dir).chmod(0o700)
             made[name] = secrets.token_urlsafe(9)
             subprocess.run(["chpasswd"], input=f"{name}:{made[name]}\n", text=True, check=True, timeout=30,
                            capture_output=True)
@@ -96,19 +98,21 @@ def reachable_by_attendees(checkout: Path, venv: Path):
 # ----------------------------------------------------------------------------------------------------- the hub
 class Hub:
     """tools/hub/jupyterhub_config.py's hub on the login node, reached at self.url on this machine's loopback.
-    `env` is the hub's environment (PYTHONPATH in it reaches the labs); every process it starts carries it."""
+    `env` is the hub's environment (PYTHONPATH in it reaches the labs); every process it starts carries it. `config`
+    is another config file for the tests' controls (one that load_subconfig()s this one and changes a setting)."""
 
-    def __init__(self, site_file: Path, state_dir: Path, env: dict, port: int = 0, timeout: float = 90.0):
+    def __init__(self, site_file: Path, state_dir: Path, env: dict, port: int = 0, timeout: float = 90.0,
+                 config: Path = CONFIG):
         from vcluster import nodes
         site = tomllib.loads(Path(site_file).read_text())
         venv = Path(site["course"]["venv"] or HERE.parents[1] / ".venv")
         proxy_port = int(site["hub"]["bind_url"].rsplit(":", 1)[1].strip("/"))
-        state_dir.mkdir(parents=True, exist_ok=True)
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.log_path = state_dir / "hub.log"
         self.log = open(self.log_path, "w")
         subprocess.run([venv / "bin" / "python", HERE.parents[1] / "scripts" / "lab_settings.py", venv], check=True,
                        timeout=60)
-        self.hub = subprocess.Popen(nodes.command(LOGIN, [venv / "bin" / "jupyterhub", "-f", CONFIG]),
+        self.hub = subprocess.Popen(nodes.command(LOGIN, [venv / "bin" / "jupyterhub", "-f", config]),
                                     env=dict(env, HUB_SITE=str(site_file)), cwd=state_dir, stdout=self.log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         # The forwarder: a socket on this machine's loopback, handed to a process inside the login node.

@@ -1,0 +1,46 @@
+"""The negative controls of tests/test_hub.py's isolation and squeue-fault checks (issue 53): the same workshop, on a
+hub whose config (tools/hub/jupyterhub_config.py, loaded and then changed by one setting) breaks what the check
+guards, must fail at that check. Each runs a whole hub (about 2-3 minutes on 2 cores), so they are not part of
+`make test`; run them after changing the hub or the checks:
+
+    HUB_CONTROLS=1 .venv/bin/python -m pytest -p no:cacheprovider tests/test_hub_controls.py -v -s
+
+- open-labs: the hub's `user` role also grants access:servers (and reading users), as a hub that opens every lab
+  to every logged-in user would: A's browser then gets into B's lab, and the cross-attendee check fails.
+- failed-poll-is-gone: the spawner reads a failed squeue as batchspawner 1.3.0 does (its own query_job_status: an
+  error message it does not know is a finished job): the lab is dropped while squeue fails, and the fault check fails.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import test_hub
+from hub import rehearsal
+
+CONTROLS = {
+    "open-labs": ('c.JupyterHub.load_roles = [*c.JupyterHub.load_roles, {"name": "user", "scopes": '
+                  '["self", "access:servers", "read:users", "list:users", "read:servers"]}]',
+                  "hubtest1 in hubtest2's lab"),
+    "failed-poll-is-gone": ("from batchspawner import SlurmSpawner\n\n"
+                            "class FailedPollIsGone(c.JupyterHub.spawner_class):\n"
+                            "    query_job_status = SlurmSpawner.query_job_status  # batchspawner's reading\n\n"
+                            "c.JupyterHub.spawner_class = FailedPollIsGone",
+                            "hubtest1's lab is gone for the hub after squeue failed"),
+}
+
+pytestmark = [pytest.mark.usefixtures("nothing_left_behind"),
+              pytest.mark.skipif(not os.environ.get("HUB_CONTROLS"), reason="a hub per control: HUB_CONTROLS=1"),
+              pytest.mark.skipif(bool(test_hub.WHY_NOT), reason=test_hub.WHY_NOT or "ready")]
+
+
+@pytest.mark.timeout(test_hub.BUDGET_S + 120)
+@pytest.mark.parametrize("control", CONTROLS)
+def test_the_hub_test_fails_on_a_broken_hub(control, tmp_path):
+    change, failure = CONTROLS[control]
+    config = tmp_path / "jupyterhub_config.py"
+    config.write_text(f"c = get_config()  # noqa: F821\nload_subconfig({str(rehearsal.CONFIG)!r})  # noqa: F821\n"
+                      f"{change}\n")
+    with pytest.raises(AssertionError, match=failure) as failed:
+        test_hub.workshop(tmp_path, config=config)
+    print(f"{control}: the hub test failed as it must: {str(failed.value)[:600]}")
