@@ -28,8 +28,10 @@ def pytest_configure(config):
     if not config.option.nbval_sanitize_with:
         config.option.nbval_sanitize_with = str(Path(__file__).with_name("sanitize.cfg"))
     # The kernels inherit this environment: ipyparallel's progress bars and INFO lines would make outputs vary, and
-    # OpenMP threads that spin while they wait burn the CPU the next rank needs (tests/conftest.py has the figures).
+    # OpenMP threads and Open MPI ranks that spin while they wait burn the CPU the next rank needs (tests/conftest.py
+    # has the figures).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")
     os.environ.setdefault("CI", "true")
 

@@ -16,6 +16,10 @@ import pytest
 # threads than cores that burns the CPU another test needs: a smoke training beside the suite took 10-24 s of CPU
 # spinning, 7.3-8.1 s passive (2026-11-29, 2-core EPYC). Only the wait changes, never a result.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Open MPI's ranks poll for messages without pause unless the node is oversubscribed; here they share 2 cores with
+# the other lane, so a waiting rank yields instead: a 2-rank Horovod smoke run under mpirun took 23.7 s of CPU
+# polling, 17.6 s yielding (2026-11-29). Only the wait changes, never a result.
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 import torch  # noqa: E402
 
 from tutorial.core.process import open_mpi_env
