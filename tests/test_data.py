@@ -63,11 +63,12 @@ def test_workshop_cpu_takes_the_workshop_code_paths():
     for field in ("dataset", "model", "precision", "channels_last", "workers", "weight_decay"):
         assert getattr(cfg, field) == workshop[field], field
     train, test, info = build_datasets(cfg)
-    assert isinstance(train, GeneratedImages) and (info.in_channels, info.image_size) == (3, 32)
-    assert "RandomCrop" in repr(train.transform) and "RandomHorizontalFlip" in repr(train.transform)
-    assert "RandomCrop" not in repr(test.transform)
+    # CIFAR-10's channels and transforms; 16x16 images, a quarter of the emulated bf16 convolutions' work
+    assert isinstance(train, GeneratedImages) and (info.in_channels, info.image_size) == (3, 16)
+    assert "RandomCrop(size=(16, 16), padding=2)" in repr(train.transform)
+    assert "RandomHorizontalFlip" in repr(train.transform) and "RandomCrop" not in repr(test.transform)
     x, y = train[7]
-    assert x.shape == (3, 32, 32) and y == 7
+    assert x.shape == (3, 16, 16) and y == 7 and test[3][0].shape == (3, 16, 16)
     assert not (train[7][0] == train[7][0]).all(), "augmentation: the same image comes out differently each time"
 
 

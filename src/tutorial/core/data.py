@@ -144,9 +144,11 @@ def _torchvision(cfg: TrainConfig):
         normalize = T.Normalize((0.1307,), (0.3081,))
         train_tf = test_tf = T.Compose([T.ToTensor(), normalize])
     else:
-        cls, info = datasets.CIFAR10, DataInfo(3, 10, 32)
+        side = (cfg.image_size or 32) if cfg.generated else 32  # made-up images may be smaller (workshop-cpu)
+        cls, info = datasets.CIFAR10, DataInfo(3, 10, side)
         normalize = T.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
-        train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
+        train_tf = T.Compose([T.RandomCrop(side, padding=side // 8), T.RandomHorizontalFlip(), T.ToTensor(),
+                              normalize])
         test_tf = T.Compose([T.ToTensor(), normalize])
     if cfg.generated:
         return (GeneratedImages(cfg.generated, info, train_tf), GeneratedImages(cfg.generated // 4, info, test_tf, 1),
