@@ -199,6 +199,141 @@ def test_no_trainer_reads_the_gpu_at_every_step(tmp_path):
         and callers[0].endswith(" item"), rows["planted"]
 
 
+MEMORY = """
+    import torch, torch.nn as nn, torch.nn.functional as F, torch.distributed as dist
+    cuda, acc = torch.cuda, torch.accelerator
+    print("before CUDA", cuda.memory_allocated(), acc.memory_allocated())
+    net = nn.Linear(1000, 1000).cuda()
+    x = torch.randn(8, 1000, device="cuda")
+    print("parameters and input", cuda.memory_allocated(), cuda.memory_allocated(1))
+    net(x).square().mean().backward()
+    print("gradients", cuda.memory_allocated())
+    opt = torch.optim.Adam(net.parameters())  # foreach: its states made by _foreach kernels
+    opt.step()
+    print("optimizer state", cuda.memory_allocated(), acc.memory_allocated(0),
+          cuda.max_memory_allocated() == acc.max_memory_allocated() > cuda.memory_allocated())
+    z = torch.randn(64, 1000, device="cuda:1", requires_grad=True)
+    loss = F.cross_entropy(z, torch.zeros(64, dtype=torch.long, device="cuda:1"))
+    print("cross entropy", cuda.memory_allocated(1))
+    loss.backward()
+    print("its backward", cuda.memory_allocated(1))
+    del net, x, opt, loss, z
+    print("freed", cuda.memory_allocated(), cuda.memory_allocated(1), cuda.max_memory_allocated() > 0)
+    cuda.reset_peak_memory_stats(), acc.reset_peak_memory_stats(1)
+    free, total = cuda.mem_get_info()
+    print("peak reset", cuda.max_memory_allocated(), acc.max_memory_allocated(1), cuda.memory_reserved() % 2**21,
+          total - free == cuda.memory_reserved() > 0, total == cuda.get_device_properties(0).total_memory)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    net = nn.Linear(1000, 1000).cuda()
+    before = cuda.memory_allocated()
+    ddp = nn.parallel.DistributedDataParallel(net)
+    print("DDP's buckets", cuda.memory_allocated() - before)
+    ddp(torch.randn(8, 1000, device="cuda")).sum().backward()
+    print("and gradients", cuda.memory_allocated() - before)
+    del ddp
+    print("DDP gone", cuda.memory_allocated() - before)
+    dist.destroy_process_group()
+"""
+
+
+def test_simulated_gpu_memory_is_what_the_caching_allocator_counts():
+    """memory_allocated counts every live storage on its simulated GPU in the allocator's 512-byte blocks, those made
+    below Python included (autograd's gradients, the log-softmax cross_entropy saves, DDP's buckets), until the
+    storage is freed; a peak, reset_peak_memory_stats and torch.accelerator's calls answer from the same counters.
+    The figures are arithmetic: Linear(1000, 1000)'s weight is 4,000,000 B (7,813 blocks: 4,000,256) and its bias
+    4,000 B (4,096), 4,004,352 in all; the input 32,000 B (32,256). Before this, every figure was 0."""
+    out = python(MEMORY, gpus=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    params, x, z = 4_004_352, 32_256, 256_000  # z: 64 x 1000 fp32, 500 blocks
+    assert out.stdout.splitlines() == [
+        "before CUDA 0 0",
+        f"parameters and input {params + x} 0",
+        f"gradients {2 * params + x}",
+        f"optimizer state {4 * params + x} {4 * params + x} True",  # Adam's step counters stay on the CPU
+        f"cross entropy {z + 512 + z + 512 + 512}",  # z, target, the saved log-softmax, loss, nll's total weight
+        f"its backward {z + 512 + z}",  # z, loss, z.grad: the saved values and the target freed
+        "freed 0 0 True",
+        "peak reset 0 0 0 True True",
+        f"DDP's buckets {params}", f"and gradients {2 * params}", f"DDP gone {params}"], out.stdout
+
+
+LEAK = """
+    import sys, contextlib, torch, torch.nn as nn
+    net = nn.Linear(1024, 10).cuda()
+    predictions = []
+    try:
+        with contextlib.nullcontext() if sys.argv[1] == "leak" else torch.no_grad():
+            for batch in range(50):
+                predictions.append(net(torch.randn(512, 1024, device="cuda")))  # 2 MiB a batch
+        print("evaluated", batch + 1)
+    except torch.cuda.OutOfMemoryError as exc:
+        print("batch", batch, str(exc))
+"""
+
+
+def test_an_allocation_past_the_gpus_memory_fails_as_cuda_does():
+    """Negative control: an evaluation loop that keeps its predictions without torch.no_grad() keeps every batch's
+    graph, and with it every input (saved for the weight's gradient): on a 64 MiB simulated GPU it runs out of
+    memory at the 32nd batch with CUDA's error and message, where the same loop under no_grad evaluates all 50."""
+    runs = {kind: subprocess.run([sys.executable, "-c", textwrap.dedent(LEAK), kind], capture_output=True, text=True,
+                                 timeout=120, cwd=ROOT, env=simulated(1, TUTORIAL_SIMGPU_MEMORY=str(64 * 2**20)))
+            for kind in ("leak", "fixed")}
+    assert all(r.returncode == 0 for r in runs.values()), [r.stderr[-2000:] for r in runs.values()]
+    assert runs["fixed"].stdout.strip() == "evaluated 50"
+    assert runs["leak"].stdout.startswith(
+        "batch 31 CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 64.00 MiB of which "
+        "0 bytes is free."), runs["leak"].stdout
+
+
+LESSONS_MEMORY = """
+    import json, os, torch, torch.distributed as dist
+    from tutorial.core.config import TrainConfig
+    from tutorial.lessons import data_parallel, mixed_precision, performance, sharded
+    out, cuda = {}, torch.device("cuda")
+    # 09's activation cell: the same checks, on the GPU branch
+    X = torch.randn(128, 512, device=cuda)
+    plain = sharded.activation_memory(sharded.mlp_blocks().to(cuda), X)
+    ckpt = sharded.activation_memory(sharded.checkpoint_solution(sharded.mlp_blocks().to(cuda)), X)
+    same = all(torch.allclose(ckpt["grads"][n], g, rtol=1e-5, atol=1e-6) for n, g in plain["grads"].items())
+    out["activations"] = [plain["peak_bytes"], ckpt["saved_bytes"] < plain["saved_bytes"] / 4, same]
+    del X, plain, ckpt  # their gradients' copies would be in every peak below, as on a GPU
+    cfg = TrainConfig.preset("smoke")
+    out["precision"] = [r["peak MiB"] for r in mixed_precision.precision_benchmark(cfg, ("fp32", "bf16"), steps=2)]
+    out["dp"] = [r["peak MiB per GPU"] for r in data_parallel.dp_throughput(cfg, steps=2)]
+    # 09's table: memory per rank, built as the DDP trainer builds it
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # a lone rank holds a port
+    big = cfg.replace(dataset="cifar10", synthetic=True, model="resnet18", batch_size=4, precision="fp32")
+    out["ddp"] = sharded.memory_per_rank(big, "ddp")
+    # 12's table: the planner against what the GPU's allocator measured
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    runs = [[performance.measure_memory(s) for s in ("ddp", "ddp+checkpointing")]]
+    out["activations measured"] = [r["activations"] for r in runs[0]]
+    out["planner"] = [r["within"] for r in performance.memory_table(runs, states=performance.solution_states_per_rank)]
+    out["skeleton"] = [r["within"] for r in performance.memory_table(runs, states=performance.states_per_rank)]
+    print(json.dumps(out))
+"""
+
+
+def test_the_lessons_gpu_memory_measurements_on_a_simulated_gpu():
+    """The lessons' GPU memory branches (09's activation and per-rank cells, 12's planner table, 04's and 02's peak
+    columns) measure nonzero, plausible figures on simulated GPUs, and the notebooks' asserts hold on them: 12's
+    planner is within 10% of the allocator on every row (activations included, which it measures by
+    memory_allocated on a GPU) and its skeleton, without optimizer state, on none; DDP's GPU peak holds at least its
+    parameters, gradients, optimizer state and buckets; bf16 peaks below fp32."""
+    out = python(LESSONS_MEMORY, gpus=2, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    peak, fewer, same = got["activations"]
+    assert peak > 4 * 8 * 512 * 2048 and fewer and same  # the 4 blocks' gradients at least (2 x 512 x 2048 each)
+    fp32, bf16 = got["precision"]
+    assert 0 < bf16 < fp32, got["precision"]
+    assert got["dp"][0] != "0" and all(int(mib) > 0 for mib in got["dp"][1].split()), got["dp"]
+    ddp = got["ddp"]
+    assert ddp["gpu_peak"] >= ddp["parameters"] * 2 + ddp["gradients"] + ddp["optimizer_state"], ddp  # + buckets
+    assert all(a > 0 for a in got["activations measured"]) and got["planner"] == [True, True], got
+    assert got["skeleton"] == [False, False], got
+
+
 NCCL_PAIR = """
     import os, sys, torch, torch.distributed as dist
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
@@ -398,10 +533,9 @@ def test_the_full_node_cells_are_the_notebooks_cells():
     """FULL_NODE_CELLS are indices into notebooks that change: each named notebook is in the full-node lane, each
     index is one of its cells, and the last code cell kept stops what the kept cells started (an index that a new
     cell shifted would leave engines or loader workers running, or run a cell without the one it needs)."""
-    import shlex
-    lanes = subprocess.run(["make", "-s", "-n", "-p", "help"], cwd=ROOT, capture_output=True, text=True).stdout
-    listed = next(line for line in lanes.splitlines() if line.startswith("FULL_NODE_NOTEBOOKS ")).split("=", 1)[1]
-    full_node = {p.split("/")[-1].removesuffix(".ipynb") for p in shlex.split(listed)}
+    listed = subprocess.run(["make", "-s", "--no-print-directory", "--eval", "print-%: ; @echo $($*)",
+                             "print-FULL_NODE_NOTEBOOKS"], cwd=ROOT, capture_output=True, text=True).stdout
+    full_node = {p.split("/")[-1].removesuffix(".ipynb") for p in listed.split()}
     assert set(lane.FULL_NODE_CELLS) <= full_node and set(lane.FULL_NODE_PRESET) <= full_node
     for notebook, kept in lane.FULL_NODE_CELLS.items():
         cells = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text())["cells"]

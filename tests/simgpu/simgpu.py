@@ -21,7 +21,11 @@ resumes without one piles onto the GPU rank 0 saved from).
 
 What is measured: autocast("cuda", dtype) runs as CPU autocast with that dtype, so bf16 and fp16 branches compute in
 the dtypes a GPU gives and GradScaler sees fp16's overflows; host syncs (item, tolist, bool, printing, a blocking copy
-to the host) are counted per caller (host_syncs(); tests/simgpu/host_syncs.py gives them per training step).
+to the host) are counted per caller (host_syncs(); tests/simgpu/host_syncs.py gives them per training step);
+memory as the caching allocator counts it: every live storage on its simulated GPU in 512-byte blocks, those that
+autograd (gradients, values saved for backward), foreach kernels and DDP's reducer make below Python included, with a
+peak, reserved segments, torch.cuda's and torch.accelerator's memory calls, and torch.cuda.OutOfMemoryError with
+CUDA's message past TUTORIAL_SIMGPU_MEMORY bytes (default 80 GiB; set it low and a leak fails as on a GPU).
 CUDA-only kernels: SyncBatchNorm's five are computed as CUDA computes them (SYNC_BN_KERNELS), so its statistics and
 collectives run on a simulated full node.
 
@@ -31,16 +35,20 @@ device, the GPUs the rank sees, its environment's GPU and NCCL variables, and wh
 
 What it cannot show (README's tests section lists it for readers of a green lane): kernels, speed, streams (a
 non_blocking copy is done at once; Event times the host), device-side asserts (a bad index fails at once here, where
-CUDA fails later and poisons the context), NCCL's watchdog, timeouts and aborts, memory use (memory_allocated is 0),
-numerics of CUDA kernels (tf32, cuBLAS), CUDA's random numbers (each device has a CPU generator), compiling
-(torch.compile runs the function as it is), and tensors that DDP's reducer, autograd, FSDP2's DTensor and DCP make
-below torch's Python layer (they are plain CPU tensors here, so only CPU tensors made by Python count as the CPU in
-the device check and NCCL's: DDP's buckets reach a comm hook's all-reduce as they would on a GPU, but say cpu).
+CUDA fails later and poisons the context), NCCL's watchdog, timeouts and aborts, the temporaries that backward's
+kernels make and free inside one autograd node (so a peak in backward is a lower bound: what its gradients and saved
+values make it), cuDNN's and cuBLAS's workspaces, the CUDA context and fragmentation, numerics of CUDA kernels (tf32,
+cuBLAS), CUDA's random numbers (each device has a CPU generator), compiling (torch.compile runs the function as it
+is), and tensors that DDP's reducer, autograd, FSDP2's DTensor and DCP make below torch's Python layer (they are
+plain CPU tensors here, so only CPU tensors made by Python count as the CPU in the device check and NCCL's: DDP's
+buckets reach a comm hook's all-reduce as they would on a GPU, but say cpu; memory counts them where it can find
+them: gradients, saved values, DDP's buckets; FSDP2's and DCP's only where Python ops made them).
 Those are gpu-check's, on a real GPU; the Makefile runs 04 and 09 on the CPU for these reasons.
 """
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.abc
 import importlib.machinery
 import json
@@ -50,12 +58,13 @@ import sys
 import threading
 import time
 import types
+import weakref
 
 ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_NCCL", "TORCH_FR", "LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_LOCALID",
                 "OMPI_COMM_WORLD_LOCAL_RANK", "TUTORIAL_")
 GPU_NAME = os.environ.get("TUTORIAL_SIMGPU_NAME", "NVIDIA H100 80GB HBM3 (simulated)")
 CAPABILITY = tuple(int(x) for x in os.environ.get("TUTORIAL_SIMGPU_CAPABILITY", "9.0").split("."))
-MEMORY = 80 * 2**30
+MEMORY = int(os.environ.get("TUTORIAL_SIMGPU_MEMORY", 80 * 2**30))  # bytes per GPU; set low, a test meets its OOM
 
 
 def physical() -> list[int]:
@@ -97,6 +106,10 @@ def lazy_init() -> None:
 
 def _after_fork_in_child() -> None:
     _init["bad_fork"], _init["done"] = _init["done"], False
+    # A forked child (a DataLoader worker) leaves what it inherited to the parent: the simulation's own objects (a
+    # weak reference and an entry per live storage) would otherwise bring the child's first full collection forward,
+    # a pause of 0.3 s that a GPU run does not have (01's loader exercise read it as the loader being slow).
+    gc.freeze()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -207,10 +220,244 @@ def _generator(device=None):
     return _generators[index]
 
 
+# -- memory, as CUDA's caching allocator counts it ---------------------------------------------------------------
+# Every storage the simulation puts on a GPU (an op's output, a move, a parameter, a gradient autograd made below
+# Python, DDP's buckets) is counted on its device from the moment it is tagged until the storage itself is freed:
+# a weak reference to the storage object (torch keeps one Python object per storage for as long as the storage
+# lives, views and C++ owners included) says when. Sizes are rounded as the allocator rounds a request (512-byte
+# blocks), so memory_allocated reads as it does on a GPU, and an allocation past TUTORIAL_SIMGPU_MEMORY raises
+# torch.cuda.OutOfMemoryError with CUDA's message. Reserved memory is what a cache would hold: allocated memory's
+# high-water mark in 2 MiB segments, given back by empty_cache().
+BLOCK, SEGMENT = 512, 2 * 2**20
+_live: dict = {}  # storage key -> [device index, rounded bytes, weak reference to the storage or its owner]
+_allocated: dict = {}  # device index -> bytes
+_peak: dict = {}
+_reserved: dict = {}
+_peak_reserved: dict = {}
+_ooms: dict = {}
+# Leaf tensors on a simulated GPU that require grad (parameters): autograd makes their gradients below Python, as
+# plain CPU tensors that no op of the simulation sees. A hook on each counts its gradient as autograd accumulates it
+# (so a peak in backward holds them), and a memory query looks again (_sweep: a gradient assigned or swapped in).
+_leaves: dict = {}
+
+
+def _rounded(nbytes: int, unit: int = BLOCK) -> int:
+    return -(-nbytes // unit) * unit
+
+
+def _size(n: float) -> str:
+    """Bytes as the caching allocator's messages write them (c10's format_size)."""
+    if n <= 1024:
+        return f"{int(n)} bytes"
+    for unit, scale in (("KiB", 2**10), ("MiB", 2**20)):
+        if n <= scale * 1024:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _freed(key, ref=None) -> None:
+    entry = _live.get(key)
+    if entry is not None and (ref is None or entry[2] is ref):
+        del _live[key]
+        _allocated[entry[0]] = _allocated.get(entry[0], 0) - entry[1]
+
+
+def _allocate(key, index: int, nbytes: int, owner) -> None:
+    """Count nbytes on GPU index until owner (a storage, or what holds a storage Python never sees) is freed."""
+    import torch
+
+    entry = _live.get(key)
+    if entry is not None:
+        if entry[2]() is not None:
+            return  # a view, or a tensor tagged again: one storage, counted once
+        _freed(key)  # a freed storage whose address a new one took before its weak reference was called
+    size = _rounded(nbytes)
+    if not size:
+        return  # CUDA allocates nothing for an empty tensor
+    total = _allocated.get(index, 0) + size
+    if total > MEMORY:
+        _ooms[index] = _ooms.get(index, 0) + 1
+        reserved = max(_reserved.get(index, 0), _allocated.get(index, 0))
+        raise torch.cuda.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {_size(size)}. GPU {index} has a total capacity of "
+            f"{_size(MEMORY)} of which {_size(MEMORY - reserved)} is free. Including non-PyTorch memory, this process "
+            f"has {_size(reserved)} memory in use. Of the allocated memory {_size(_allocated.get(index, 0))} is "
+            f"allocated by PyTorch, and {_size(reserved - _allocated.get(index, 0))} is reserved by PyTorch but "
+            f"unallocated. If reserved but unallocated memory is large try setting "
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation. (simulated GPUs)")
+    _live[key] = [index, size, weakref.ref(owner, functools.partial(_freed, key))]
+    _allocated[index] = total
+    _grew(index, total)
+
+
+def _grew(index: int, total: int) -> None:
+    if total > _peak.get(index, 0):
+        _peak[index] = total
+    if total > _reserved.get(index, 0):
+        _reserved[index] = min(_rounded(total, SEGMENT), MEMORY)
+        _peak_reserved[index] = max(_peak_reserved.get(index, 0), _reserved[index])
+
+
+def _track(t, index: int) -> None:
+    """Count t's storage on GPU index (t: a tensor the simulation has just put there)."""
+    import torch
+
+    with torch._C.DisableTorchFunction():
+        storage = t.untyped_storage()
+        _allocate(storage._cdata, index, storage.nbytes(), storage)
+        if type(t) is SimCuda and t.requires_grad and t.is_leaf and id(t) not in _leaves:
+            _leaves[id(t)] = weakref.ref(t, lambda _, key=id(t): _leaves.pop(key, None))
+            t.register_post_accumulate_grad_hook(_grad_made)
+
+
+def _grad_made(leaf) -> None:
+    import torch
+
+    with torch._C.DisableTorchFunction():
+        grad = torch._C.TensorBase.grad.__get__(leaf)
+    if grad is not None and type(leaf) is SimCuda:
+        _track(grad, on(leaf))
+
+
+_SAVED: dict = {}  # autograd node class -> the names of its saved values
+
+
+def _track_saved(out, inputs, index: int) -> None:
+    """Count what the autograd nodes of one op saved for backward that Python never saw: the log-softmax inside
+    cross_entropy, layer norm's statistics, dropout's mask. They are found on the nodes the op added (from its
+    outputs' grad_fn back to its inputs'); outside saved-tensor hooks only, whose packing decides what is kept (and
+    where reading a saved value would run checkpointing's recomputation)."""
+    import torch
+
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return
+    with torch._C.DisableTorchFunction():
+        outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)] \
+            if isinstance(out, (list, tuple)) else []
+        todo = [t.grad_fn for t in outs if t.grad_fn is not None]
+        if not todo:
+            return
+        stop = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        seen = 0
+        while todo and seen < 16:  # an op adds a node or a few; a long walk would be a graph built before it
+            node = todo.pop()
+            if node in stop or type(node).__name__ == "AccumulateGrad":
+                continue
+            seen += 1
+            names = _SAVED.get(type(node))
+            if names is None:
+                names = _SAVED[type(node)] = [a for a in dir(node) if a.startswith("_saved_")]
+            for name in names:
+                value = getattr(node, name)
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(t, torch.Tensor) and type(t) is not SimCuda:
+                        _track(t, index)
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+
+
+def _sweep() -> None:
+    """Before a memory query: count the gradients autograd and DDP's reducer made for the GPU's leaves, and the
+    storages' sizes now (a storage resized in place, as FSDP frees and refills its unsharded parameters)."""
+    import torch
+
+    with torch._C.DisableTorchFunction():
+        for ref in list(_leaves.values()):
+            leaf = ref()
+            grad = torch._C.TensorBase.grad.__get__(leaf) if type(leaf) is SimCuda and leaf.is_leaf else None
+            if grad is not None:
+                _tag(grad, on(leaf)) if type(grad) is not SimCuda else _track(grad, on(grad))
+        totals: dict = {}
+        for entry in list(_live.values()):
+            owner = entry[2]()
+            if isinstance(owner, torch.UntypedStorage):
+                entry[1] = _rounded(owner.nbytes())
+            if owner is not None:
+                totals[entry[0]] = totals.get(entry[0], 0) + entry[1]
+    for index in set(_allocated) | set(totals):
+        _allocated[index] = totals.get(index, 0)
+        _grew(index, _allocated[index])
+
+
+def _queried(device):
+    """The device a memory call asks about, None where CUDA was never initialised (torch answers 0 there)."""
+    if not _init["done"] or _init["bad_fork"]:
+        return None
+    index = _check_index(device)
+    _sweep()
+    return index
+
+
+def memory_allocated(device=None) -> int:
+    index = _queried(device)
+    return 0 if index is None else _allocated.get(index, 0)
+
+
+def max_memory_allocated(device=None) -> int:
+    index = _queried(device)
+    return 0 if index is None else _peak.get(index, 0)
+
+
+def memory_reserved(device=None) -> int:
+    index = _queried(device)
+    return 0 if index is None else _reserved.get(index, 0)
+
+
+def max_memory_reserved(device=None) -> int:
+    index = _queried(device)
+    return 0 if index is None else _peak_reserved.get(index, 0)
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    index = _queried(device)
+    if index is not None:
+        _peak[index], _peak_reserved[index] = _allocated.get(index, 0), _reserved.get(index, 0)
+
+
+def empty_cache() -> None:
+    for index in list(_reserved):
+        _reserved[index] = min(_rounded(_allocated.get(index, 0), SEGMENT), MEMORY)
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    """(free, total) as the driver answers: what the cache holds is not free."""
+    index = _queried(device)
+    return MEMORY - (0 if index is None else _reserved.get(index, 0)), MEMORY
+
+
+def memory_stats(device=None) -> dict:
+    """The caching allocator's counters the course reads, under torch's names (a process that never initialised
+    CUDA gets {}, as from torch)."""
+    index = _queried(device)
+    if index is None:
+        return {}
+    stats = {"num_ooms": _ooms.get(index, 0), "num_alloc_retries": 0}
+    for name, now, peak in (("allocated_bytes", _allocated, _peak), ("active_bytes", _allocated, _peak),
+                            ("reserved_bytes", _reserved, _peak_reserved)):
+        stats.update({f"{name}.all.current": now.get(index, 0), f"{name}.all.peak": peak.get(index, 0)})
+    return stats
+
+
+def _patch_ddp(torch) -> None:
+    """DDP's reducer allocates its buckets below Python (as many bytes as the parameters that need gradients), on
+    the parameters' GPU: counted as long as the DDP module lives. With gradient_as_bucket_view the gradients are the
+    buckets, counted when found (_sweep)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    init = DistributedDataParallel.__init__
+
+    @functools.wraps(init)
+    def init_(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        params = [p for p in self.module.parameters() if p.requires_grad and type(p) is SimCuda]
+        if params and not self.gradient_as_bucket_view:
+            _allocate(("ddp buckets", id(self)), on(params[0]), sum(p.numel() * p.element_size() for p in params),
+                      self)
+
+    DistributedDataParallel.__init__ = init_
+
+
 def _patch_cuda(torch) -> None:
     cuda = torch.cuda
-    def zero(*a, **k):  # the simulated GPU allocates nothing of its own
-        return 0
 
     def nothing(*a, **k):
         return None
@@ -224,10 +471,7 @@ def _patch_cuda(torch) -> None:
         is_initialized=lambda: _init["done"] and not _init["bad_fork"],
         _is_in_bad_fork=lambda: _init["bad_fork"],
         _lazy_init=lazy_init, init=lazy_init, synchronize=lambda device=None: lazy_init(),
-        empty_cache=nothing, ipc_collect=nothing,
-        memory_allocated=zero, max_memory_allocated=zero, memory_reserved=zero, max_memory_reserved=zero,
-        reset_peak_memory_stats=nothing, reset_max_memory_allocated=nothing, reset_accumulated_memory_stats=nothing,
-        memory_stats=lambda device=None: {}, mem_get_info=lambda device=None: (MEMORY, MEMORY),
+        empty_cache=empty_cache, ipc_collect=nothing, reset_accumulated_memory_stats=nothing,
         Event=Event, Stream=Stream, current_stream=lambda device=None: Stream(device),
         default_stream=lambda device=None: Stream(device), stream=lambda s=None: Stream(),
         get_rng_state=lambda device="cuda": _generator(device).get_state(),
@@ -241,9 +485,17 @@ def _patch_cuda(torch) -> None:
         get_arch_list=lambda: ["sm_90"], is_current_stream_capturing=lambda: False, set_stream=nothing,
     )
     for name, value in patches.items():
-        if value in (zero, nothing):  # one function object per name: torch keeps registries keyed by function
+        if value is nothing:  # one function object per name: torch keeps registries keyed by function
             value = functools.wraps(value)(lambda *a, _v=value, **k: _v(*a, **k))
         setattr(cuda, name, value)
+    memory = dict(memory_allocated=memory_allocated, max_memory_allocated=max_memory_allocated,
+                  memory_reserved=memory_reserved, max_memory_reserved=max_memory_reserved,
+                  reset_peak_memory_stats=reset_peak_memory_stats, reset_max_memory_allocated=reset_peak_memory_stats,
+                  memory_stats=memory_stats, mem_get_info=mem_get_info, empty_cache=empty_cache)
+    for module in (cuda, cuda.memory):  # torch.cuda's names are torch.cuda.memory's
+        for name, value in memory.items():
+            if hasattr(module, name):
+                setattr(module, name, value)
     cuda.device = _DeviceContext
     torch.Stream, torch.Event = Stream, Event
     _patch_data_parallel(torch)
@@ -257,6 +509,12 @@ def _patch_cuda(torch) -> None:
                             if physical() else None).items():
         if hasattr(acc, name):
             setattr(acc, name, value)
+    memory.update(get_memory_info=mem_get_info)
+    for module in (acc, acc.memory):  # torch.accelerator's own functions, as the same counters answer them
+        for name, value in memory.items():
+            if hasattr(module, name):
+                setattr(module, name, functools.wraps(value)(lambda *a, _v=value, **k: _v(*a, **k)))
+    _patch_ddp(torch)
 
 
 class _DeviceContext:
@@ -382,6 +640,7 @@ def _tag(t, index):
             t._is_param = True  # isinstance(t, nn.Parameter) still holds (Parameter's metaclass reads it)
         t.__class__ = SimCuda
         t._sim_index = index
+        _track(t, index)
     return t
 
 
@@ -398,6 +657,7 @@ def _move(t, index):
         return _on_cpu(t)
     t.__class__ = SimCuda
     t._sim_index = index
+    _track(t, index)
     return t
 
 
@@ -540,6 +800,8 @@ def _mode_class(torch):
                 index = on(args[0])
             with torch._C.DisableTorchFunction():
                 out = func(*args, **kwargs)
+            if index is not None and torch.is_grad_enabled():
+                _track_saved(out, flat, index)
             if isinstance(out, torch.Tensor):
                 return _on_cpu(out) if index is None else _tag(out, index)
             if not isinstance(out, (list, tuple, dict)) or isinstance(out, torch.Size):
@@ -757,6 +1019,7 @@ def _transfer(torch, name, args, kwargs):
         return _on_cpu(out)
     if type(out) is SimCuda:
         out._sim_index = index
+        _track(out, index)
         return out
     return _tag(out, index)
 
