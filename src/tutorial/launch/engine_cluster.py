@@ -2,9 +2,10 @@
 
 start() (tutorial.launch.engines) checks its options (engine_options), then reuses or launches a Cluster here. Every
 process the cluster starts carries its tag (child_processes), and a reaper (tutorial.launch.reaper) stops them when the
-kernel goes. run() and what follows a failed run come from engine_runs.Runs; the functions at the end run on the
-engines. Every call the Cluster makes on its engines for itself (not run()'s function, which _collect bounds) goes
-through Cluster._ask, which bounds it and names an engine that does not answer, with what keeps it busy.
+kernel goes. run() hands the run, and what follows a failed one, to its collaborator engine_runs.Runs (`runs`); the
+functions at the end run on the engines. Every call the Cluster makes on its engines for itself (not run()'s
+function, which Runs bounds) goes through Cluster._ask, which bounds it and names an engine that does not answer,
+with what keeps it busy.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class EngineInfo:
     mpi_rank: int | None = None
 
 
-class Cluster(Runs):
+class Cluster:
     """A running controller and its engines, ranks 0..n-1 (`engines`, in rank order), and `view`, a blocking
     DirectView on them in rank order. Use start() to make one."""
 
@@ -69,6 +70,7 @@ class Cluster(Runs):
         self.env: dict = {}  # what setenv() set: every engine gets it again after a restart
         self._withdrawn: set = set()  # our calls that a busy engine did not take in time (_ask), still in its queue
         self._stopped = False
+        self.runs = Runs(self)  # run() and what follows a run or a call that failed, hung or was interrupted
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @classmethod
@@ -265,7 +267,7 @@ class Cluster(Runs):
         _collect), so that none waits without a bound: an engine that has not answered within `timeout` (default
         ENGINE_CALL_S, at most the start's timeout) raises EngineTimeout naming it and what keeps it busy (`what` says
         what it was asked for; the call is withdrawn from its queue). An Interrupt while this waits stops what keeps
-        it busy (SIGINT, else a restart) and says so (Runs._free_busy)."""
+        it busy (SIGINT, else a restart) and says so (Runs.free_busy)."""
         import ipyparallel as ipp
         timeout = min(ENGINE_CALL_S, self.request.timeout) if timeout is None else timeout
         asked = [(i, self.client[i].apply_async(fn, *args)) for i, args in calls]
@@ -274,7 +276,7 @@ class Cluster(Runs):
             return [answer.get(max(0.0, deadline - time.monotonic())) for _, answer in asked]
         except ipp.error.TimeoutError:
             waiting = [(i, answer) for i, answer in asked if not answer.ready()]
-            busy, ids = self._busy(waiting), [i for i, _ in waiting]
+            busy, ids = self.runs.busy(waiting), [i for i, _ in waiting]
             with contextlib.suppress(Exception):  # an engine that is gone has no queue to withdraw it from
                 self.client.abort([answer for _, answer in waiting], targets=ids, block=False)
             self._withdrawn.update(msg_id for _, answer in waiting for msg_id in answer.msg_ids)
@@ -283,12 +285,17 @@ class Cluster(Runs):
                                   f"to end, stop {it} with cluster.client.send_signal('SIGINT', targets={ids}) (or "
                                   f"Interrupt while this waits), or cluster.restart() for fresh engines (their "
                                   f"variables are lost)")
-            first = self._engine(ids[0])
+            first = self.runs.engine(ids[0])
             if first is not None:
                 error.rank, error.host, error.pid = first.rank, first.host, first.pid
             raise error from None
         except KeyboardInterrupt:
-            raise KeyboardInterrupt(self._free_busy([(i, a) for i, a in asked if not a.ready()], what)) from None
+            raise KeyboardInterrupt(self.runs.free_busy([(i, a) for i, a in asked if not a.ready()], what)) from None
+
+    def run(self, fn, *args, timeout: float | None = None, fresh: bool = False, **kwargs):
+        """Run fn(*args, **kwargs) on every engine at once and return rank 0's result (03, 05); every rank's is in
+        `results` (Runs.run says how a run ends: a RankError or EngineTimeout naming the rank, or an Interrupt)."""
+        return self.runs.run(fn, *args, timeout=timeout, fresh=fresh, **kwargs)
 
     def _require_running(self) -> None:
         if self._stopped:

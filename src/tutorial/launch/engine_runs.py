@@ -4,8 +4,8 @@ A run ends in one of three ways, each said in one error or line: every rank retu
 `results`); a rank raised, died or hung (RankError or EngineTimeout naming the rank, then the engines are restarted
 or stopped); or the notebook was interrupted (every rank is stopped as on a SIGTERM, else by a KeyboardInterrupt,
 else by a restart). An engine still busy with another task when a run starts is named, with that task, within
-engine_cluster.ENGINE_CALL_S (EngineTimeout); an Interrupt while run() waits for it stops that task. `Runs` is mixed
-into engine_cluster.Cluster; what a run runs on every engine is at the end.
+engine_cluster.ENGINE_CALL_S (EngineTimeout); an Interrupt while run() waits for it stops that task. `Runs` is the
+Cluster's collaborator for all of this (Cluster.runs); what a run runs on every engine is at the end.
 """
 from __future__ import annotations
 
@@ -51,41 +51,47 @@ class EngineTimeout(RankError, TimeoutError):
 
 class Runs:
     """Cluster.run and what follows a run that failed, hung or was interrupted, or a call that an engine busy with
-    another task did not answer (_busy, _free_busy, for Cluster._ask). Mixed into engine_cluster.Cluster, whose state
-    it reads: engines (in rank order), client, view, request (run_timeout, on_failure), master_addr, master_port and
-    _withdrawn; and whose lifecycle it calls: new_master_port(), restart(), stop(), _require_running()."""
+    another task did not answer (busy, free_busy, for Cluster._ask). A collaborator of one engine_cluster.Cluster,
+    through this interface: it reads the cluster's engines (in rank order), client, view, request (run_timeout,
+    on_failure), master_addr, master_port and _withdrawn, writes its results, and calls its new_master_port(),
+    restart(), stop() and _require_running()."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
 
     def run(self, fn, *args, timeout: float | None = None, fresh: bool = False, **kwargs):
         """Run fn(*args, **kwargs) on every engine at once and return rank 0's result (03, 05).
 
         ipyparallel sends fn by value: a self-contained function defined in the notebook runs too (it must import
         what it uses), and a function from a module is imported there by module and name. Rank 0's output is
-        printed here; every rank's result is in `self.results`. An exception on any rank raises RankError with its
-        rank and traceback; a run longer than timeout (default: start's run_timeout) raises EngineTimeout. After a
-        death or a timeout the engines are restarted (or stopped) first. fresh=True restarts them before the run.
+        printed here; every rank's result is in the cluster's `results`. An exception on any rank raises RankError
+        with its rank and traceback; a run longer than timeout (default: start's run_timeout) raises EngineTimeout.
+        After a death or a timeout the engines are restarted (or stopped) first. fresh=True restarts them before the
+        run.
         An engine still busy with another task raises EngineTimeout within engine_cluster.ENGINE_CALL_S, naming it
         and that task, before anything runs.
         """
-        self._require_running()
+        self.cluster._require_running()
         if not callable(fn):
             raise ClusterError(f"run needs a function, got {fn!r}")
-        if self.engines[0].mpi_rank is None and _needs_mpi_ranks(fn):
+        if self.cluster.engines[0].mpi_rank is None and _needs_mpi_ranks(fn):
             raise ClusterError(f"{fn.__module__}.{fn.__qualname__} uses Horovod, which finds its ranks through MPI: "
                                f"start the cluster with engines='mpi'")
         if fresh:
-            self.restart()
+            self.cluster.restart()
         result = None
         try:
             # Every engine takes the new port first: one still busy with another task (a %%px --noblock cell, an
             # apply_async) is named within Cluster._ask's bound, and an Interrupt while it waits frees it there.
-            self.new_master_port()
-            result = self.view.apply_async(_run_interruptibly, fn, args, kwargs)
-            self.results = self._collect(result, self.request.run_timeout if timeout is None else timeout)
+            self.cluster.new_master_port()
+            result = self.cluster.view.apply_async(_run_interruptibly, fn, args, kwargs)
+            bound = self.cluster.request.run_timeout if timeout is None else timeout
+            self.cluster.results = self._collect(result, bound)
         except KeyboardInterrupt:  # the notebook's Interrupt: stop the engines' run too, then say what happened
             if result is None:  # while the engines were asked for the port: _ask has freed them and says how
                 raise
             raise KeyboardInterrupt(self._interrupt(result, _name(fn))) from None
-        return self.results[0]
+        return self.cluster.results[0]
 
     def _collect(self, result, timeout: float) -> list:
         """Wait for every rank, printing rank 0's output as it comes (AsyncResult.stream_output() would prefix every
@@ -123,7 +129,7 @@ class Runs:
             return EngineTimeout(f"the run did not finish within {timeout:g} s (timeout=...); ranks {running} were "
                                  f"still running")
         rank = died[0] if died else min(failed, key=lambda r: completed[r])
-        e, exc = self.engines[rank], failed[rank]
+        e, exc = self.cluster.engines[rank], failed[rank]
         tb = "" if died else ANSI_COLOURS.sub("", getattr(exc, "traceback", "") or "")  # IPython colours it
         what = ("died during the run: its process is gone (killed, out of memory, or a crash in C code)" if died else
                 f"raised {getattr(exc, 'ename', type(exc).__name__)}: {getattr(exc, 'evalue', exc)}\n"
@@ -138,11 +144,11 @@ class Runs:
         """Stop the run the notebook was interrupted in, on every engine, and return one line saying how: at an agreed
         step (SIGINT, taken as a SIGTERM), else by a KeyboardInterrupt there (a second SIGINT), else by a restart.
         Pressing Interrupt again while this waits moves on to the next of these at once."""
-        ids = [e.engine_id for e in self.engines]
+        ids = [e.engine_id for e in self.cluster.engines]
         waited = time.monotonic()
         for grace in (STOP_GRACE_S, FAILURE_GRACE_S):
             try:
-                self.client.send_signal("SIGINT", targets=ids, block=True)
+                self.cluster.client.send_signal("SIGINT", targets=ids, block=True)
                 if result.wait(grace):
                     break
             except KeyboardInterrupt:
@@ -154,7 +160,7 @@ class Runs:
             return f"interrupted: {what} did not stop within {time.monotonic() - waited:.0f} s on " \
                    f"{self._stuck(result)}. " + self._recover()
         outcomes = result.get(return_exceptions=True)
-        self.results = outcomes
+        self.cluster.results = outcomes
         stopped = [o for o in outcomes if isinstance(o, Interrupted)]
         if len(stopped) == len(outcomes):
             steps = sorted({m.group(1) for o in stopped for m in [re.search(r"\(step (\d+)\)", o.message)] if m})
@@ -170,11 +176,11 @@ class Runs:
         return (f"interrupted: {what} did not stop at a step within {STOP_GRACE_S:g} s: a KeyboardInterrupt ended it "
                 f"on the engines ({raised} of {len(outcomes)} ranks raised); the engines are ready for the next cell")
 
-    def _free(self, result, what: str, timed_out: bool) -> str:
+    def free(self, result, what: str, timed_out: bool) -> str:
         """After a %%px cell was interrupted (ipyparallel's magic has sent SIGINT to the engines) or ran past its bound:
         give the engines FAILURE_GRACE_S to stop, then replace those that did not (a rank waiting in C++, in a
         rendezvous or a collective, never sees SIGINT), naming them and what they wait for."""
-        why = f"ran past run_timeout={self.request.run_timeout:g} s" if timed_out else "was interrupted"
+        why = f"ran past run_timeout={self.cluster.request.run_timeout:g} s" if timed_out else "was interrupted"
         if result.wait(FAILURE_GRACE_S):
             return f"{what} {why}: SIGINT stopped it on every engine; {READY}"
         stuck, raised = self._stuck(result), self._raised(result)
@@ -182,16 +188,16 @@ class Runs:
                 + (f" ({raised}, above)" if raised else "") + ". " + self._recover()
                 + " Their variables are gone: run the cells that set them again.")
 
-    def _free_busy(self, waiting: list, what: str) -> str:
+    def free_busy(self, waiting: list, what: str) -> str:
         """After an Interrupt while _ask waited for `waiting` ([(engine id, our call)]): SIGINT stops what keeps those
         engines busy (as ipyparallel's %%px magic does), and they take our call; those that do not within
         FAILURE_GRACE_S are replaced (_recover). One line says which."""
         if not waiting:  # the answers had just come
             return f"interrupted while the engines were asked for {what}; they had answered: {READY}"
-        busy, ids = self._busy(waiting), [i for i, _ in waiting]
+        busy, ids = self.busy(waiting), [i for i, _ in waiting]
         deadline = time.monotonic() + FAILURE_GRACE_S
         try:
-            self.client.send_signal("SIGINT", targets=ids, block=False)
+            self.cluster.client.send_signal("SIGINT", targets=ids, block=False)
             stopped = all(answer.wait(max(0.0, deadline - time.monotonic())) for _, answer in waiting)
         except KeyboardInterrupt:  # pressed again: replace them at once
             stopped = False
@@ -204,16 +210,16 @@ class Runs:
             return f"{said}; SIGINT stopped {it}: {READY}"
         return f"{said}; SIGINT did not stop {it} within {FAILURE_GRACE_S:g} s. " + self._recover()
 
-    def _busy(self, waiting: list) -> str:
+    def busy(self, waiting: list) -> str:
         """The engines of `waiting` ([(engine id, our call)]), each with what keeps it busy: the oldest task the
         controller has queued on it besides ours (a %%px cell's code, a function's name), how long ago it was sent,
         and how many wait behind it. From ipyparallel's queue_status and its task database (a controller
         started with NoDB keeps no tasks: then only how many)."""
-        self._withdrawn &= self.client.outstanding  # those still queued behind a task
-        ours = self._withdrawn | {msg_id for _, answer in waiting for msg_id in answer.msg_ids}
+        self.cluster._withdrawn &= self.cluster.client.outstanding  # those still queued behind a task
+        ours = self.cluster._withdrawn | {msg_id for _, answer in waiting for msg_id in answer.msg_ids}
         ids = [i for i, _ in waiting]
         try:
-            queues = self.client.queue_status(targets=ids, verbose=True)
+            queues = self.cluster.client.queue_status(targets=ids, verbose=True)
             pending = {i: [m for m in queues[i]["queue"] + queues[i]["tasks"] if m not in ours] for i in ids}
         except Exception as exc:  # noqa: BLE001 - the description is a courtesy; the timeout stands without it
             log.warning("asking the controller for the engines' queues: %r", exc)
@@ -222,11 +228,11 @@ class Runs:
         first = [queue[0] for queue in pending.values() if queue]
         if first:
             with contextlib.suppress(Exception):
-                records = {r["msg_id"]: r for r in self.client.db_query(
+                records = {r["msg_id"]: r for r in self.cluster.client.db_query(
                     {"msg_id": {"$in": first}}, keys=["header", "content", "buffers", "submitted"])}
         parts = []
         for i in ids:
-            e = self._engine(i)
+            e = self.engine(i)
             who = f"rank {e.rank} (engine {i}, pid {e.pid} on {e.host})" if e else f"engine {i}"
             queue = pending[i]
             if not queue:
@@ -236,15 +242,15 @@ class Runs:
             parts.append(f"{who} is busy with {_task(records.get(queue[0]))}{behind}")
         return "; ".join(parts)
 
-    def _engine(self, engine_id: int):
+    def engine(self, engine_id: int):
         """The EngineInfo of an engine id; None for one that has no rank yet (while the engines start)."""
-        return next((e for e in self.engines if e.engine_id == engine_id), None)
+        return next((e for e in self.cluster.engines if e.engine_id == engine_id), None)
 
     def _raised(self, result) -> str:
         """The errors of the ranks that finished before the others got stuck (often the cause: a rank that raised
         before the rendezvous), printed with their tracebacks, and named in one short phrase."""
         said = []
-        for e, part in zip(self.engines, result.split()):
+        for e, part in zip(self.cluster.engines, result.split()):
             if part.ready():
                 try:
                     part.get(0)
@@ -259,37 +265,37 @@ class Runs:
         """The ranks still busy with `result`, each with what it waits for where this host can see it."""
         parts = result.split()
         return "; ".join(f"rank {e.rank} (engine {e.engine_id}, pid {e.pid} on {e.host}){self._waiting_for(e)}"
-                         for e, part in zip(self.engines, parts) if not part.ready())
+                         for e, part in zip(self.cluster.engines, parts) if not part.ready())
 
     def _waiting_for(self, e) -> str:
         """What a stuck engine waits for, from its TCP connections: a rendezvous (connected to the engines' MASTER_PORT)
         or an address where nobody listens. Engines on other hosts are not visible from here: ""."""
         import psutil
-        if self.master_port is None or e.host != socket.gethostname():
+        if self.cluster.master_port is None or e.host != socket.gethostname():
             return ""
-        where = f"{self.master_addr}:{self.master_port}"
+        where = f"{self.cluster.master_addr}:{self.cluster.master_port}"
         try:
-            connected = any(c.raddr and c.raddr.port == self.master_port
+            connected = any(c.raddr and c.raddr.port == self.cluster.master_port
                             for c in psutil.Process(e.pid).net_connections(kind="tcp"))
         except psutil.Error:
             return ""
         if connected:
             return f", in the rendezvous at {where}: connected, waiting for ranks that never arrived"
         try:
-            socket.create_connection((self.master_addr, self.master_port), timeout=1).close()
+            socket.create_connection((self.cluster.master_addr, self.cluster.master_port), timeout=1).close()
             return ""
         except OSError:
             return f", trying to reach the rendezvous at {where}, where nobody listens"
 
     def _recover(self) -> str:
         """Replace the engines, or stop them all; say which."""
-        if self.request.on_failure == "restart":
+        if self.cluster.request.on_failure == "restart":
             try:
-                self.restart()
+                self.cluster.restart()
                 return "The engines were restarted (new processes); run again."
             except Exception as exc:  # a cluster that cannot restart is stopped, never left half alive
                 log.warning("restarting the engines failed: %r", exc)
-        self.stop()
+        self.cluster.stop()
         return "The engines were stopped; start a new cluster."
 
 
@@ -320,7 +326,7 @@ def bounded_magics(cluster):
                 timer.cancel()
                 result = self.last_result
                 if result is not None and (timed_out.is_set() or not result.done()):
-                    freed = cluster._free(result, "the %%px cell", timed_out.is_set())
+                    freed = cluster.runs.free(result, "the %%px cell", timed_out.is_set())
                     if timed_out.is_set():
                         raise EngineTimeout(freed)
                     if not freed.endswith(READY):  # stopped within the grace: as ipyparallel's magic, no error
