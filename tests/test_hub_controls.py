@@ -1,4 +1,4 @@
-"""The negative controls of tests/test_hub.py's isolation and squeue-fault checks (issue 53): the same workshop, on a
+"""The negative controls of tests/test_hub.py's isolation and fault checks (issue 53): the same workshop, on a
 hub whose config (tools/hub/jupyterhub_config.py, loaded and then changed by one setting) breaks what the check
 guards, must fail at that check. Each runs a whole hub (about 2-3 minutes on 2 cores), so they are not part of
 `make test`; run them after changing the hub or the checks:
@@ -9,6 +9,10 @@ guards, must fail at that check. Each runs a whole hub (about 2-3 minutes on 2 c
   to every logged-in user would: A's browser then gets into B's lab, and the cross-attendee check fails.
 - failed-poll-is-gone: the spawner reads a failed squeue as batchspawner 1.3.0 does (its own query_job_status: an
   error message it does not know is a finished job): the lab is dropped while squeue fails, and the fault check fails.
+- restart-ends-labs: JupyterHub's default cleanup_servers=True: stopping the hub for its restart stops every lab
+  (cancels its job), and the restart check fails.
+- poll-never-gone: a spawner whose poll asks squeue and always says the job runs: the hub never notices the job Slurm killed, and the
+  killed-job check fails.
 """
 from __future__ import annotations
 
@@ -27,6 +31,14 @@ CONTROLS = {
                             "    query_job_status = SlurmSpawner.query_job_status  # batchspawner's reading\n\n"
                             "c.JupyterHub.spawner_class = FailedPollIsGone",
                             "hubtest1's lab is gone for the hub after squeue failed"),
+    "restart-ends-labs": ("c.JupyterHub.cleanup_servers = True  # JupyterHub's default",
+                          "hubtest1's lab is gone for the hub after the hub restarted"),
+    "poll-never-gone": ("class PollNeverGone(c.JupyterHub.spawner_class):\n"
+                        "    async def poll(self):\n"
+                        "        await self.query_job_status()  # squeue asked, as every poll does\n"
+                        "        return None  # and the job never reported gone\n\n"
+                        "c.JupyterHub.spawner_class = PollNeverGone",
+                        "the hub notices that hubtest2's job \\d+ was killed"),
 }
 
 pytestmark = [pytest.mark.usefixtures("nothing_left_behind"),

@@ -12,6 +12,8 @@ What the day needs, and where it is:
 - two attendees on one node get disjoint GPUs (Slurm's gres) and ports (each server picks a free one);
 - a squeue that fails for a while (a busy or restarting slurmctld) does not end a lab
   (SlurmJobSpawner.query_job_status);
+- the hub restarted while labs run finds them again (cleanup_servers=False below), and a lab whose job Slurm ended
+  (scancel, wall time) is noticed within poll_interval: the attendee's page offers to start it again;
 - no attendee reaches another's lab (JupyterHub's default roles: a user may access their own server only; no role
   here grants access:servers to users), and the hub's database and cookie secret are readable by root only.
 """
@@ -106,7 +108,11 @@ c.ConfigurableHTTPProxy.command = [str(HERE / "node_modules" / ".bin" / "configu
 c.ConfigurableHTTPProxy.pid_file = str(state_dir / "proxy.pid")
 c.JupyterHub.last_activity_interval = report_every
 c.JupyterHub.shutdown_on_logout = True  # File > Log Out ends the attendee's job too
-c.JupyterHub.cleanup_servers = True     # stopping the hub ends every lab's job (nothing outlives a workshop's hub)
+# A hub restarted during the day (an upgrade, a changed setting, a crash) finds its labs again: stopping the hub leaves
+# every lab's job running; the new hub reads each lab's job id from its database, asks Slurm (poll), and its new proxy
+# gets the labs' routes from the database. Labs end with their job (wall time, idle culler, Log Out); at the
+# workshop's end, cancel them (the admin page, or scancel --name=workbook-lab: `make hub`'s Ctrl-C does).
+c.JupyterHub.cleanup_servers = False
 
 # -- who may log in: the site's own accounts, checked by PAM
 c.JupyterHub.authenticator_class = "pam"

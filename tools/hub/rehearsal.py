@@ -8,8 +8,8 @@ tests/test_hub.py uses the same pieces.
 The virtual cluster (tools/vcluster: node1..nodeN, a real Slurm, GPUs that Slurm hands out as it would real ones)
 stands in for the site: node1 is the login node, where the hub and its proxy run as on a site's login node, and
 each attendee's lab is a Slurm job on a node. The nodes' network is private to them, so a forwarder makes the
-proxy reachable at http://127.0.0.1:PORT here (from a laptop: ssh -L PORT:127.0.0.1:PORT this-machine). Ctrl-C stops
-the hub (and with it every lab's job), the nodes, and removes the attendees it made.
+proxy reachable at http://127.0.0.1:PORT here (from a laptop: ssh -L PORT:127.0.0.1:PORT this-machine). Ctrl-C cancels
+every lab's job, stops the hub and the nodes, and removes the attendees it made.
 """
 from __future__ import annotations
 
@@ -112,9 +112,10 @@ class Hub:
         self.log = open(self.log_path, "w")
         subprocess.run([venv / "bin" / "python", HERE.parents[1] / "scripts" / "lab_settings.py", venv], check=True,
                        timeout=60)
-        self.hub = subprocess.Popen(nodes.command(LOGIN, [venv / "bin" / "jupyterhub", "-f", config]),
-                                    env=dict(env, HUB_SITE=str(site_file)), cwd=state_dir, stdout=self.log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self._command = nodes.command(LOGIN, [venv / "bin" / "jupyterhub", "-f", config])
+        self._start = dict(env=dict(env, HUB_SITE=str(site_file)), cwd=state_dir, stdout=self.log,
+                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.hub = subprocess.Popen(self._command, **self._start)
         # The forwarder: a socket on this machine's loopback, handed to a process inside the login node.
         listener = socket.create_server(("127.0.0.1", port))
         self.port = listener.getsockname()[1]
@@ -147,9 +148,26 @@ class Hub:
                                + "\n".join(self.log_path.read_text(errors="replace").splitlines()[-15:]))
             time.sleep(0.5)
 
+    def restart(self, timeout: float = 90.0) -> float:
+        """The hub restarted as a site restarts it (an upgrade, a changed setting): SIGTERM, as a service manager
+        stops it, and the same command again. The labs' jobs run on (the config's cleanup_servers=False); the hub's
+        proxy stops with the hub and the new hub starts a new one, with the routes rebuilt from the database (the
+        labs' addresses), after asking Slurm about each lab's job (batchspawner's state: the job id). Returns the
+        seconds from SIGTERM to the new hub's /hub/health."""
+        begun = time.monotonic()
+        self.hub.send_signal(signal.SIGTERM)
+        self.hub.wait(timeout)
+        self.hub = subprocess.Popen(self._command, **self._start)
+        self._wait_healthy(timeout)
+        return time.monotonic() - begun
+
     def stop(self, timeout: float = 90.0) -> None:
-        """SIGTERM, as a service manager stops it: the hub stops every lab (cancelling its job) and its proxy. What is
+        """The workshop's end: every lab's job still in Slurm is cancelled (the hub leaves labs running when it stops,
+        so that a restart finds them), then SIGTERM, as a service manager stops the hub; it stops its proxy. What is
         left after `timeout` seconds is killed."""
+        from vcluster import nodes
+        with contextlib.suppress(OSError, subprocess.SubprocessError):  # also when the hub is gone: its labs are not
+            nodes.run(LOGIN, ["scancel", "--name=workbook-lab"], timeout=30, check=False)
         for proc, grace in ((self.hub, timeout), (self.forwarder, 10)):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
