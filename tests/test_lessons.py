@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 import torch
 import torch.multiprocessing as mp
@@ -198,3 +199,16 @@ def test_a_notebooks_runs_folder_starts_empty_so_no_cell_reads_an_earlier_execut
     os.symlink(scratch, os.path.join(str(tmp_path), "12_performance_clinic"))
     emptied = notebook.runs_dir("12_performance_clinic")
     assert os.listdir(emptied) == [] and os.path.islink(emptied)
+
+
+def test_timings_repeat_and_take_as_many_calls_as_fit_their_time():
+    """04's comparison: every repeat times the same number of calls, 10 of a fast call, 1 of a slow one (a bf16 step
+    on a CPU without bf16 units takes 1.5 s), after the warm-up calls."""
+    from tutorial.lessons.mixed_precision import seconds_per_call
+
+    for pause, calls_per_repeat in ((0.0, 10), (0.3, 1)):
+        calls = []
+        seconds = seconds_per_call(lambda: (calls.append(1), time.sleep(pause)), torch.device("cpu"), repeats=3,
+                                   warmup=2)
+        assert len(seconds) == 3 and len(calls) == 2 + 3 * calls_per_repeat, (pause, len(calls))
+        assert all(pause <= s < 2 * pause + 0.05 for s in seconds), seconds  # seconds per call, not per repeat

@@ -54,7 +54,8 @@ def model_and_batch(cfg: TrainConfig, batch_size: int | None = None, device: tor
         X, y = zip(*(train_set[i % len(train_set)] for i in range(n)))
         X, y = torch.stack(X), torch.as_tensor(y)
     else:
-        info = SHAPES.get(cfg.dataset, DataInfo(3, 1000, cfg.image_size or 224))
+        shape = SHAPES.get(cfg.dataset, DataInfo(3, 1000, 224))  # made-up images take the preset's size if it has one
+        info = DataInfo(shape.in_channels, shape.num_classes, cfg.image_size or shape.image_size)
         gen = torch.Generator().manual_seed(cfg.seed)
         X = torch.randn(n, info.in_channels, info.image_size, info.image_size, generator=gen)
         y = torch.randint(0, info.num_classes, (n,), generator=gen)

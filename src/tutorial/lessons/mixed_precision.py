@@ -127,19 +127,31 @@ def draw_number_lines(dtypes=(torch.float32, torch.float16, torch.bfloat16), ax=
 
 
 # ------------------------------------------------------------------------------------------- 04: measuring
-def seconds_per_call(fn, device: torch.device, steps: int = 10, warmup: int = 3) -> float:
-    """Mean seconds per call of fn() after warm-up calls, the GPU synchronised around the timed calls."""
+def seconds_per_call(fn, device: torch.device, repeats: int = 5, warmup: int = 3, repeat_s: float = 0.5,
+                     most: int = 10) -> list[float]:
+    """Mean seconds per call of fn() in each of `repeats` timings (a comparison needs several: measure.comparison),
+    after `warmup` untimed calls (they allocate memory and pick kernels), the GPU synchronised around each timing.
+    A timing takes as many calls as fit in about repeat_s at the warm-up's pace, between 1 and `most`: a 1.5-s bf16
+    step on a CPU without bf16 units is timed once per repeat, a GPU's millisecond step 10 times."""
     import time
+
+    def synchronized():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    start = synchronized()
     for _ in range(warmup):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / steps
+    pace = (synchronized() - start) / warmup if warmup else 0.0
+    steps = max(1, min(most, int(repeat_s / pace))) if pace else most
+    seconds = []
+    for _ in range(repeats):
+        start = synchronized()
+        for _ in range(steps):
+            fn()
+        seconds.append((synchronized() - start) / steps)
+    return seconds
 
 
 # -------------------------------------------------------------------------------------------- 04: exercises
