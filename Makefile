@@ -27,8 +27,9 @@ NBVAL = $(BIN)/python -m pytest --nbval notebooks/ --nbval-cell-timeout $(NBVAL_
 # tensors that say cuda:N and fail on mixed devices as CUDA does, NCCL over gloo that refuses what NCCL refuses, and a
 # record of every process group checked against README's allocation table). All but the four named below run as a
 # one-GPU attendee's (the row most attendees have, and the one with most branches: ranks sharing the GPU over gloo,
-# or moved to the CPU); the notebooks whose lessons change with NCCL run again on a full node of 8 GPUs (the seeds'
-# ThetaGPU node): 00's first all-reduce, 01's trainer with every GPU visible, 03a's process group and comm hooks by
+# or moved to the CPU), all but the launches a cell hides from the GPU, which strict nbval runs as a GPU node would
+# (lane.py ONE_GPU_HIDDEN); the notebooks whose lessons change with NCCL run again on a full node of 8 GPUs (the
+# seeds' ThetaGPU node): 00's first all-reduce, 01's trainer with every GPU visible, 03a's process group and comm hooks by
 # hand, 03b's SyncBatchNorm, 07's all-reduce sweep and DDP step on 8 engines (smoke preset), 08's plain Lightning
 # script and 10's flight recorder; of 01, 03b, 07, 08 and 10 only the cells whose groups or devices change with it
 # (tests/simgpu/lane.py FULL_NODE_CELLS: 8 min for 08 and 10 whole, under load). The workshop-cpu preset, so that the
@@ -55,7 +56,7 @@ FULL_NODE_NOTEBOOKS ?= notebooks/00_setup.ipynb notebooks/01_single_device.ipynb
 	notebooks/10_when_things_go_wrong.ipynb
 # JUnit XML of one pytest run, beside the lane times (scripts/suite_times.py reads both).
 junit = --junitxml=$(TIMES)/$(1).xml -o junit_family=xunit2
-SIMGPU_ONE_GPU = env TUTORIAL_SIMGPU=1 $(SIMGPU) $(call junit,simgpu-1gpu) $(ONE_GPU_NOTEBOOKS)
+SIMGPU_ONE_GPU = env TUTORIAL_SIMGPU=1 TUTORIAL_SIMGPU_CELLS=one-gpu $(SIMGPU) $(call junit,simgpu-1gpu) $(ONE_GPU_NOTEBOOKS)
 SIMGPU_FULL_NODE = env TUTORIAL_SIMGPU=8 TUTORIAL_SIMGPU_CELLS=full-node $(SIMGPU) $(call junit,simgpu-8gpu) $(FULL_NODE_NOTEBOOKS)
 SIMGPU_CPU_PART = env TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax $(CPU_LANE_NOTEBOOKS) \
 	--nbval-cell-timeout $(NBVAL_TIMEOUT) $(call junit,simgpu-cpu)

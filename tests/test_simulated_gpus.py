@@ -542,3 +542,33 @@ def test_the_full_node_cells_are_the_notebooks_cells():
         assert max(kept) < len(cells), notebook
         last = "".join(cells[max(i for i in kept if cells[i]["cell_type"] == "code")]["source"])
         assert "cluster.stop()" in last or "child_processes()" in last, (notebook, last)
+
+
+HIDES_THE_GPU = ("CUDA_VISIBLE_DEVICES=", "sharded.launch(", "lesson.walltime(")
+ASSIGNED = re.compile(r"^(?:global\s+)?([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*=(?!=)", re.M)
+
+
+def test_the_one_gpu_run_leaves_out_only_launches_hidden_from_the_gpu():
+    """Each cell ONE_GPU_HIDDEN leaves out hides its launch from the GPU, reads a name such a cell made (their output,
+    metrics or config) or makes one that only they read (their folder, a killer thread's target); and no cell the one-GPU run keeps reads a name that only a left-out cell made, so a
+    new cell that needs one, or an index a new cell shifted, fails here instead of as a NameError in the lane."""
+    listed = subprocess.run(["make", "-s", "--no-print-directory", "--eval", "print-%: ; @echo $($*)",
+                             "print-ONE_GPU_NOTEBOOKS"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert set(lane.ONE_GPU_HIDDEN) <= {p.split("/")[-1].removesuffix(".ipynb") for p in listed.split()}
+    for notebook, hidden in lane.ONE_GPU_HIDDEN.items():
+        cells = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text())["cells"]
+        code = {i: "".join(c["source"]) for i, c in enumerate(cells) if c["cell_type"] == "code"}
+        assert set(hidden) <= set(code), (notebook, sorted(set(hidden) - set(code)))
+        names = lambda i: {n.strip() for m in ASSIGNED.findall(code[i]) for n in m.split(",")}
+        reads = lambda i, made: {n for n in made if re.search(rf"\b{n}\b", code[i])}
+        made_hidden = set()
+        for i in sorted(hidden):  # a hidden launch, a cell that reads what one made, or one that prepares it
+            prepares = any(reads(j, names(i)) for j in hidden if j > i)
+            assert any(m in code[i] for m in HIDES_THE_GPU) or reads(i, made_hidden) or prepares, \
+                f"{notebook} [{i}] is left out of the one-GPU run but launches nothing hidden from the GPU: {code[i]!r}"
+            made_hidden |= names(i)
+        made_kept = set().union(*(names(i) for i in code if i not in hidden))
+        for i in (i for i in code if i not in hidden):
+            only_hidden = set().union(*(names(j) for j in hidden if j < i)) - made_kept
+            assert not reads(i, only_hidden), \
+                f"{notebook} [{i}] runs on one GPU but reads {sorted(reads(i, only_hidden))} from a left-out cell"
