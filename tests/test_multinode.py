@@ -1,4 +1,7 @@
-"""Multi-node rehearsals on localhost (06_multi_node): real processes joining gloo groups, and nothing left behind."""
+"""The launch helpers behind 06_multi_node's rehearsals: bounded launches, one error per failed node, the commands
+they type, and nothing left behind. The hand-written tcp:// and file:// ranks, the missing interface, torchrun's
+c10d rendezvous on one machine and the workers a killed torchrun leaves behind are 06's own cells, which strict nbval
+runs and compares (tests/test_virtual_cluster.py runs them across virtual nodes)."""
 from __future__ import annotations
 
 import os
@@ -11,37 +14,6 @@ from tutorial.launch import child_processes, commands, worker
 from tutorial.lessons import multi_node
 
 pytestmark = pytest.mark.usefixtures("nothing_left_behind")  # conftest's: every test stops what it started
-
-
-@pytest.mark.parametrize("init", ["tcp", "file"])
-def test_manual_ranks_join_one_group(init, tmp_path):
-    seen = multi_node.manual_ranks(init, world_size=2, shared_dir=str(tmp_path))
-    assert [r.get("rank") for r in seen] == [0, 1], seen
-    for report in seen:
-        assert report["world_size"] == 2 and report["all_reduce_sum"] == 1 + 2
-        assert report["weights_match_rank_0"] and report["init_method"] == init
-
-
-def test_a_missing_interface_fails_at_once_with_its_name():
-    start = time.monotonic()
-    seen = multi_node.manual_ranks("tcp", GLOO_SOCKET_IFNAME="nosuch0")
-    assert all("nosuch0" in r.get("error", "") for r in seen), seen
-    assert time.monotonic() - start < 60
-
-
-def test_torchrun_c10d_rendezvous_numbers_two_nodes():
-    nodes = commands.torchrun_nodes("", rdzv="c10d", program=["-m", "tutorial.launch.worker"])
-    assert all("--node_rank" not in cmd for cmd in nodes)
-    seen = multi_node.rank_reports(child_processes.launch(nodes, timeout=120))
-    assert [r["rank"] for r in seen] == [0, 1]
-    assert all(r["world_size"] == 2 and r["all_reduce_sum"] == 3 and r["init_method"] == "env" for r in seen)
-
-
-def test_workers_outlive_a_killed_launcher_until_stopped():
-    survivors = multi_node.kill_the_launcher(nproc=2, hold=60)
-    assert len(survivors) == 2 and not any(p["zombie"] for p in survivors)
-    assert len(child_processes.stop(survivors)) == 2
-    assert not child_processes.leftovers()
 
 
 def test_a_failing_node_is_one_error_with_its_output():
@@ -68,15 +40,6 @@ def test_a_hanging_launch_is_stopped_at_its_timeout():
         child_processes.launch([sleeper, sleeper], timeout=1)
     assert time.monotonic() - start < 20
     assert not child_processes.leftovers()
-
-
-def test_static_torchrun_commands_differ_only_in_node_rank():
-    node0, node1 = commands.torchrun_nodes("runs/x", port=29555)
-    assert [(a, b) for a, b in zip(node0, node1) if a != b] == [("0", "1")]
-    assert commands.display(node0).startswith("torchrun --nnodes 2 --nproc_per_node 1 --node_rank 0 "
-                                               "--master_addr 127.0.0.1 --master_port 29555 -m tutorial.train_ddp")
-    with pytest.raises(ValueError, match="static, c10d"):
-        commands.torchrun_nodes("runs/x", rdzv="etcd")
 
 
 def test_mpi_commands_name_the_hosts():

@@ -1,15 +1,11 @@
-"""The launch commands the workbook teaches, as argument lists: torchrun across nodes, mpirun -H, horovodrun -H and
-hand-written ranks (06_multi_node). Nothing here starts a process; `child_processes.launch` does. (A c10d
-rendezvous on this host is held here, core.distributed.hold_port, until the next one.)"""
+"""The launch commands the workbook teaches, as argument lists: mpirun -H, horovodrun -H and hand-written ranks
+(06_multi_node). Nothing here starts a process; `child_processes.launch` does."""
 from __future__ import annotations
 
 import shlex
 import shutil
 import sys
-import uuid
 from pathlib import Path
-
-from ..core.process import free_port
 
 
 def _tool(name: str) -> str:
@@ -24,28 +20,6 @@ def _tool(name: str) -> str:
 def trainer(stage: str, out: str, preset: str = "smoke", *args: str) -> list[str]:
     """`-m tutorial.train_<stage> --preset P --out DIR`: what every launcher below starts."""
     return ["-m", f"tutorial.train_{stage}", "--preset", preset, "--out", str(out), *args]
-
-
-def torchrun_nodes(out: str, nnodes: int = 2, nproc_per_node: int = 1, port: int | None = None,
-                   rdzv: str = "static", stage: str = "ddp", preset: str = "smoke",
-                   program: list[str] | None = None) -> list[list[str]]:
-    """One torchrun command per node. static: every node is told its --node_rank and node 0's address (seed 001's
-    recipe); c10d: the nodes agree on a rendezvous endpoint and torchrun numbers them (scripts/slurm/ddp.sbatch).
-    program: what torchrun starts instead of the trainer, e.g. ["-m", "tutorial.launch.worker"]."""
-    if rdzv not in ("static", "c10d"):
-        raise ValueError(f"rdzv {rdzv!r} is not one of: static, c10d")
-    # c10d: this process hosts the rendezvous store on a port it holds, and both agents, failing to bind it, join it
-    # as clients (torch's c10d backend falls back to that). static: node 0's agent must bind --master_port itself.
-    from ..core.distributed import hold_port  # torch, needed only here
-    port = port or (hold_port() if rdzv == "c10d" else free_port())
-    program = program or trainer(stage, out, preset)
-    run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-           "--nproc_per_node", str(nproc_per_node)]
-    if rdzv == "c10d":
-        where = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", uuid.uuid4().hex[:8]]
-        return [run + where + program for _ in range(nnodes)]
-    return [run + ["--node_rank", str(i), "--master_addr", "127.0.0.1", "--master_port", str(port)] + program
-            for i in range(nnodes)]
 
 
 def mpirun_command(out: str, np: int = 2, hosts: str = "localhost:2", stage: str = "ddp",

@@ -1,5 +1,5 @@
-"""06_multi_node: hand-written ranks with tcp:// and file://, seed 001's killed launcher, interfaces, recipes, and
-rehearsal 5's virtual nodes."""
+"""06_multi_node: the ranks' reports, interfaces, recipes and their checkers, and rehearsal 5's virtual nodes (the
+hand-written ranks and seed 001's killed launcher are typed in the notebook's cells)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,69 +10,17 @@ import re
 import socket
 import subprocess
 import sys
-import tempfile
-import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.distributed import hold_port
-from ..core.process import free_port
-from ..launch.commands import manual_commands
-from ..launch.child_processes import Launch, Nodes, launch, launcher_env, leftovers
-
-
-def manual_ranks(init: str = "tcp", world_size: int = 2, shared_dir: str | None = None, timeout: float = 120,
-                 **env) -> list[dict]:
-    """Start world_size processes that join one gloo group with explicit ranks; return what each rank saw.
-
-    init="tcp": rank 0 listens on tcp://127.0.0.1:<free port>. init="file": the ranks meet in a new file under
-    shared_dir, which on a cluster must be a path every node sees (NFS, Lustre, GPFS). Extra keyword arguments
-    become environment variables (e.g. GLOO_SOCKET_IFNAME="lo"). A rank that fails reports its error line.
-    """
-    if init == "tcp":
-        method = f"tcp://127.0.0.1:{free_port()}"
-    elif init == "file":
-        path = Path(shared_dir or tempfile.gettempdir()).resolve() / f"rendezvous-{uuid.uuid4().hex[:8]}"
-        method = path.as_uri()  # file:///absolute/path; the file must not exist yet (a stale one blocks the group)
-    else:
-        raise ValueError(f"init {init!r} is not one of: tcp, file")
-    run = launch(manual_commands(method, world_size), timeout=timeout, env=launcher_env(**env), check=False)
-    seen = []
-    for rank, text in enumerate(run.outputs):
-        reports = [json.loads(line) for line in text.splitlines() if line.startswith('{"rank"')]
-        errors = [line for line in text.splitlines() if "Error" in line or "error" in line]
-        seen.append(reports[-1] if reports else
-                    dict(rank=rank, error=errors[-1].strip() if errors else f"exit code {run.returncodes[rank]}"))
-    return seen
+from ..launch.child_processes import Launch, launcher_env
 
 
 def rank_reports(run: Launch) -> list[dict]:
     """The JSON lines the tutorial.launch.worker processes of a launch printed, in rank order."""
     lines = [line for text in run.outputs for line in text.splitlines() if line.startswith('{"rank"')]
     return sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
-
-
-def kill_the_launcher(nproc: int = 2, hold: float = 60.0, timeout: float = 60) -> list[dict]:
-    """Seed 001's pitfall, on purpose: start torchrun with nproc workers, SIGKILL torchrun alone (what a dropped ssh
-    session or a killed terminal does to it), and return the workers that are still running without it."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "tutorial.launch.worker", "--hold", str(hold)]
-    nodes = Nodes([cmd], launcher_env())
-    torchrun = nodes.procs[0]
-    try:
-        deadline = time.monotonic() + timeout
-        while nodes.text(0).count(" joined, holding") < nproc:
-            if time.monotonic() > deadline or torchrun.poll() is not None:
-                raise RuntimeError(f"the workers did not start:\n{nodes.text(0)[-2000:]}")
-            time.sleep(0.2)
-        torchrun.kill()
-        torchrun.wait()
-        time.sleep(1.0)  # time enough for the workers to notice; they will not
-        return leftovers(nodes.tag)
-    except BaseException:
-        nodes.close()
-        raise
 
 
 def interfaces() -> dict[str, list[str]]:
