@@ -14,10 +14,10 @@ BIN := $(VENV)/bin
 # test's and notebook cell's duration; the report at its end prints the halves' balance and the slowest tests.
 TIMES := results/test-times
 TIMED = $(PYTHON) scripts/suite_times.py run
-# make test runs its two halves side by side: the unit tests, and the notebooks (strict nbval, then the simulated-GPU
-# lane). Most tests and cells wait on process starts, rendezvous and sleeps as much as they compute, so the halves fill
-# each other's gaps: on the slowest machine seen, a 2-core AVX2 EPYC, a fresh clone's halves took 41.5 and 42.9 min
-# side by side (results/suite_times.md, 2026-11-29).
+# make test runs its two halves side by side: the unit tests, and the notebooks (strict nbval, the simulated-GPU lane,
+# then the floor lane's tests on the oldest torch). Most tests and cells wait on process starts, rendezvous and sleeps
+# as much as they compute, so the halves fill each other's gaps (each lane records the machine's busy share: how much
+# a third job could still use); results/suite_times.md holds fresh clones' figures on the slowest machine seen.
 # Two notebooks at once are avoided (pytest-xdist, tried: the lanes share run folders and ports, and 01's
 # loader-workers check failed), and so are two launches of the same notebook.
 # Strict nbval as users type it (pytest --nbval notebooks/); notebooks/conftest.py pins the preset the stored outputs
@@ -64,8 +64,9 @@ SIMGPU_LANE = $(SIMGPU_ONE_GPU) && $(SIMGPU_FULL_NODE) && $(SIMGPU_CPU_PART)
 
 # The floor lane: the trainers' core paths and gpu-check's CPU rehearsal on the oldest torch the workbook supports
 # (pyproject.toml's "torch>=", the one place it is declared; the lent GPU node has 2.11), in .venv-floor, an overlay of
-# .venv that make install makes (scripts/torch_floor.sh). It runs in the unit tests' half (review 6 §5: the halves
-# were 32.6 and 34.4 min, the notebooks' the longer).
+# .venv that make install makes (scripts/torch_floor.sh). It ends the notebooks' half: fc5 of 22e90d0 (2026-11-29, AVX2
+# EPYC) measured the unit lane alone at 53.5 min beside 53.6 of notebooks, before 04's timings, the one-GPU lane's
+# hidden launches and 06's repeated unit tests came out (about 6.4 min of the notebooks' half, 1.1 of the unit's).
 FLOOR_TESTS = tests/test_distributed.py tests/test_step_agreement.py tests/test_trainers.py \
 	tests/test_gpu_check.py::test_the_cpu_rehearsal_of_stage_1
 FLOOR_LANE = .venv-floor/bin/python -m pytest $(FLOOR_TESTS) $(call junit,floor)
@@ -128,13 +129,13 @@ test: install
 # balance the halves from those figures (results/suite_times.md holds a fresh clone's).
 test-unit:
 	$(TIMED) unit unit -- $(UNIT_LANE)
-	$(TIMED) floor unit -- $(FLOOR_LANE)
 
 test-notebooks:
 	$(TIMED) nbval notebooks -- $(NBVAL) $(call junit,nbval)
 	$(TIMED) simgpu-1gpu notebooks -- $(SIMGPU_ONE_GPU)
 	$(TIMED) simgpu-8gpu notebooks -- $(SIMGPU_FULL_NODE)
 	$(TIMED) simgpu-cpu notebooks -- $(SIMGPU_CPU_PART)
+	$(TIMED) floor notebooks -- $(FLOOR_LANE)
 
 simgpu-lane: install
 	$(SIMGPU_LANE)

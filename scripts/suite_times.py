@@ -37,11 +37,22 @@ def machine() -> dict:
     return dict(cpu=cpu, cores=os.cpu_count(), commit=commit.stdout.strip() or None, ci=os.environ.get("CI") == "true")
 
 
+def machine_ticks() -> tuple[int, int] | None:
+    """(busy, all) clock ticks of every CPU of the machine since boot (/proc/stat), whoever used them: the share of
+    the machine a lane found busy, daemons and processes no one waits for (which RUSAGE_CHILDREN misses) included."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
 def run(lane: str, half: str, command: list[str]) -> int:
     FOLDER.mkdir(parents=True, exist_ok=True)
-    started, before = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    started, before, ticks = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN), machine_ticks()
     status = subprocess.call(command)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    after, ticks_after = resource.getrusage(resource.RUSAGE_CHILDREN), machine_ticks()
     # CPU time of the lane's processes that have ended (engines, ranks, kernels): with the wall time, how much of the
     # machine the lane kept busy, i.e. whether a third job beside the two halves could gain anything.
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -49,6 +60,9 @@ def run(lane: str, half: str, command: list[str]) -> int:
                   status=status,
                   date=datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
                   load_average=[round(x, 2) for x in os.getloadavg()], **machine())
+    if ticks and ticks_after and ticks_after[1] > ticks[1]:
+        # 1.0: every core busy all along (a third job side by side would gain nothing); 0.6: 40 % of it idle
+        record["machine_busy"] = round((ticks_after[0] - ticks[0]) / (ticks_after[1] - ticks[1]), 3)
     with open(FOLDER / LANES, "a") as f:
         f.write(json.dumps(record) + "\n")
     return status
@@ -84,6 +98,7 @@ def report(folder: Path, slowest: int) -> str:
             halves[r["half"]] = halves.get(r["half"], 0.0) + r["seconds"]
         mark = "" if r["status"] == 0 else f"  (exit {r['status']})"
         busy = f"  CPU {r['cpu_seconds'] / 60:5.1f} min" if "cpu_seconds" in r else ""
+        busy += f"  machine busy {r['machine_busy']:4.0%}" if "machine_busy" in r else ""
         lines.append(f"  {r['half']:>9} {r['lane']:<22} {r['seconds'] / 60:6.1f} min{busy}{mark}")
     if len(halves) > 1:
         lines.append("  halves, side by side: " + ", ".join(f"{h} {s / 60:.1f} min" for h, s in halves.items())
