@@ -572,3 +572,27 @@ def test_the_one_gpu_run_leaves_out_only_launches_hidden_from_the_gpu():
             only_hidden = set().union(*(names(j) for j in hidden if j < i)) - made_kept
             assert not reads(i, only_hidden), \
                 f"{notebook} [{i}] runs on one GPU but reads {sorted(reads(i, only_hidden))} from a left-out cell"
+
+
+def test_tensors_made_below_python_are_not_refused_as_cpu_tensors():
+    """A DTensor op's local result is made by DTensor's dispatch, below the simulation's reach, as a plain CPU tensor:
+    what Python computes from it is of unknown device, not the CPU (12's tensor-parallel attention added it to the
+    residual stream on the GPU and was refused, falsely: 22e90d0 fails the first line). A CPU tensor Python made is
+    still refused beside a GPU one."""
+    out = python("""
+        import torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        dt = DTensor.from_local(torch.ones(4, 4, device="cuda"), init_device_mesh("cuda", (1,)), [Replicate()])
+        local = (dt @ dt).to_local()
+        print("the local result plus a GPU tensor:", (local * 2 + torch.ones(4, 4, device="cuda")).device)
+        try:
+            torch.ones(4) * 2 + torch.ones(4, device="cuda")
+        except RuntimeError as exc:
+            print("a CPU tensor Python made:", str(exc).split(",")[0])
+        dist.destroy_process_group()
+    """, gpus=1)
+    assert out.stdout.splitlines() == ["the local result plus a GPU tensor: cuda:0",
+                                       "a CPU tensor Python made: Expected all tensors to be on the same device"], \
+        out.stdout + out.stderr[-3000:]

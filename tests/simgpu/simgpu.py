@@ -40,9 +40,11 @@ kernels make and free inside one autograd node (so a peak in backward is a lower
 values make it), cuDNN's and cuBLAS's workspaces, the CUDA context and fragmentation, numerics of CUDA kernels (tf32,
 cuBLAS), CUDA's random numbers (each device has a CPU generator), compiling (torch.compile runs the function as it
 is), and tensors that DDP's reducer, autograd, FSDP2's DTensor and DCP make below torch's Python layer (they are
-plain CPU tensors here, so only CPU tensors made by Python count as the CPU in the device check and NCCL's: DDP's
-buckets reach a comm hook's all-reduce as they would on a GPU, but say cpu; memory counts them where it can find
-them: gradients, saved values, DDP's buckets; FSDP2's and DCP's only where Python ops made them).
+plain CPU tensors here, so only CPU tensors made by Python, and what Python computes from them alone, count as the
+CPU in the device check and NCCL's: DDP's buckets reach a comm hook's all-reduce as they would on a GPU, but say cpu;
+memory counts them where it can find them: gradients, saved values, DDP's buckets; FSDP2's and DCP's only where
+Python ops made them). Python that such code runs inside backward() bypasses the simulation: a DTensor's backward
+moves its gradient to the real CUDA, which fails without a driver (12's tensor-parallel memory run on simulated GPUs).
 Those are gpu-check's, on a real GPU; the Makefile runs 04 and 09 on the CPU for these reasons.
 """
 from __future__ import annotations
@@ -631,6 +633,16 @@ def _on_cpu(t):
     return t
 
 
+def _made_below(t) -> bool:
+    """A tensor made below torch's Python layer, whose device the simulation cannot tell: not a simulated GPU's, not a
+    CPU tensor Python made (_on_cpu) and not a module's parameter (made by Python, so on the CPU unless moved). What
+    Python computes from it stays unmarked too: 12's tensor-parallel attention returned its DTensor's local tensor
+    (to_local), marked as a CPU tensor, and adding it to the GPU's residual stream was refused, falsely."""
+    import torch
+
+    return isinstance(t, torch.Tensor) and type(t) not in (SimCuda, _Parameter) and not getattr(t, "_sim_cpu", False)
+
+
 def _tag(t, index):
     """Make t (a new tensor of an op) say cuda:index."""
     if index is not None and type(t) in (_Tensor, _Parameter):
@@ -802,6 +814,8 @@ def _mode_class(torch):
                 out = func(*args, **kwargs)
             if index is not None and torch.is_grad_enabled():
                 _track_saved(out, flat, index)
+            if index is None and any(_made_below(t) for t in flat):
+                return out  # from tensors whose device the simulation never saw (DTensor's, autograd's): unknown too
             if isinstance(out, torch.Tensor):
                 return _on_cpu(out) if index is None else _tag(out, index)
             if not isinstance(out, (list, tuple, dict)) or isinstance(out, torch.Size):
