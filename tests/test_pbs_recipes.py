@@ -4,12 +4,14 @@ replaced by stubs that record their arguments, environment and folder, so the la
 flag. One recipe runs for real: the Open MPI one, with this machine's mpirun, 2 ranks on localhost, CPU only.
 
 polaris/: Cray PALS mpiexec, 4 GPUs per node. openmpi/: Open MPI mpirun, 8 GPUs per node (ThetaGPU-like).
+aurora/: Cray PALS mpiexec, 12 Intel GPU tiles per node, one rank per tile through a per-rank wrapper (gpu_tile.sh).
 """
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,8 @@ from tutorial.core.distributed import World, world_from_env
 
 PBS = ROOT / "scripts" / "pbs"
 SCRIPTS = sorted(PBS.glob("*/*.sh"))
-RUNNABLE = [p for p in SCRIPTS if p.name != "engines.sh"]   # engines.sh are ipyparallel templates, rendered first
+# engines.sh are ipyparallel templates, rendered first; gpu_tile.sh is what mpiexec starts on each rank, not a job
+RUNNABLE = [p for p in SCRIPTS if p.name not in ("engines.sh", "gpu_tile.sh")]
 STUB = f"""#!{sys.executable}
 import json, os, sys
 with open(os.environ["STUB_LOG"], "a") as f:
@@ -29,7 +32,8 @@ with open(os.environ["STUB_LOG"], "a") as f:
 
 def test_every_recipe_is_named_and_parses():
     assert {p.relative_to(PBS).as_posix() for p in SCRIPTS} == {
-        f"{site}/{name}.sh" for site in ("polaris", "openmpi") for name in ("ddp", "horovod", "engines")}
+        f"{site}/{name}.sh" for site in ("polaris", "openmpi") for name in ("ddp", "horovod", "engines")} | {
+        "aurora/ddp.sh", "aurora/gpu_tile.sh"}
     for path in SCRIPTS:
         proc = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
         assert proc.returncode == 0, f"{path}: {proc.stderr}"
@@ -103,6 +107,91 @@ def test_polaris_recipe_keeps_the_users_choices(tmp_path):
                           PRESET="smoke", OUT="/scratch/run1")
     assert mpiexec["env"]["NCCL_SOCKET_IFNAME"] == "hsn0" and mpiexec["env"]["CUDA_VISIBLE_DEVICES"] == ""
     assert option(mpiexec["argv"], "--preset") == "smoke" and option(mpiexec["argv"], "--out") == "/scratch/run1"
+
+
+# ------------------------------------------------------------------------------------------------ Aurora (PALS, XPU)
+AURORA_BIND = "list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100"
+TILES = [f"{gpu}.{tile}" for gpu in range(6) for tile in range(2)]   # local rank i -> TILES[i]
+
+
+def tile_wrapper(local_rank, **extra) -> subprocess.CompletedProcess:
+    """gpu_tile.sh as mpiexec starts it on one rank (PALS gives it PALS_LOCAL_RANKID), printing what the rank sees."""
+    variables = {} if local_rank is None else dict(PALS_LOCAL_RANKID=str(local_rank))
+    return subprocess.run(["bash", PBS / "aurora" / "gpu_tile.sh", "printenv", "ZE_AFFINITY_MASK",
+                           "ZE_FLAT_DEVICE_HIERARCHY"], env=dict(PATH="/usr/bin:/bin", **variables, **extra),
+                          capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_aurora_recipe_starts_one_rank_per_tile_with_oneccl_settings(tmp_path, nodes):
+    hosts = [f"x4102c5s{i}b0n0.hostmgmt2102.cm.aurora.alcf.anl.gov" for i in range(nodes)]
+    job = FakeJob(tmp_path, hosts)
+    module_load, mpiexec = job.run(PBS / "aurora" / "ddp.sh")
+    assert module_load["argv"][1:] == ["load", "frameworks"]   # the site's torch for XPU, oneCCL with it
+    argv = mpiexec["argv"]
+    assert Path(argv[0]).name == "mpiexec"
+    assert option(argv, "-n") == str(12 * nodes) and option(argv, "--ppn") == "12"   # 6 GPUs x 2 tiles
+    assert option(argv, "--cpu-bind") == AURORA_BIND and "--depth" not in argv
+    assert option(argv, "--hostfile") == str(job.nodefile)
+    # each rank starts through the tile wrapper, which then runs the trainer
+    wrapper = argv[argv.index("python") - 1]
+    assert wrapper == "scripts/pbs/aurora/gpu_tile.sh" and (ROOT / wrapper).is_file()   # relative to the checkout
+    assert command(argv) == ["python", "-m", "tutorial.train_ddp", "--preset", "workshop", "--data-dir", "data",
+                             "--out", "runs/ddp-4242.pbs01"]
+    env = mpiexec["env"]
+    assert mpiexec["cwd"] == str(job.workdir) and env["VIRTUAL_ENV"] == str(job.workdir / ".venv")
+    assert {k: env.get(k) for k in ("CCL_PROCESS_LAUNCHER", "CCL_ATL_TRANSPORT", "CCL_KVS_MODE", "FI_PROVIDER")} == \
+        dict(CCL_PROCESS_LAUNCHER="pmix", CCL_ATL_TRANSPORT="mpi", CCL_KVS_MODE="mpi", FI_PROVIDER="cxi")
+    assert env["MASTER_ADDR"] == hosts[0] and env["MASTER_PORT"] == "24242"   # 20000 + job 4242
+    # no CUDA or NCCL settings carried over from Polaris, and no mask for all ranks at once (the wrapper sets it)
+    assert not {"CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "ZE_AFFINITY_MASK"} & set(env)
+    # what the wrapper then gives the node's 12 ranks: one tile each, GPU.tile
+    masks = [tile_wrapper(local).stdout.split() for local in range(12)]
+    assert masks == [[tile, "COMPOSITE"] for tile in TILES] and len(set(TILES)) == 12
+
+
+def test_aurora_recipe_keeps_the_users_choices(tmp_path):
+    job = FakeJob(tmp_path, ["x4000c0s0b0n0", "x4000c0s1b0n0"])
+    *_, mpiexec = job.run(PBS / "aurora" / "ddp.sh", MASTER_PORT="31000", CCL_ATL_TRANSPORT="ofi", PRESET="smoke",
+                          OUT="/flare/run1")
+    env = mpiexec["env"]
+    assert env["MASTER_PORT"] == "31000" and env["CCL_ATL_TRANSPORT"] == "ofi" and env["MASTER_ADDR"] == "x4000c0s0b0n0"
+    assert option(mpiexec["argv"], "--preset") == "smoke" and option(mpiexec["argv"], "--out") == "/flare/run1"
+
+
+@pytest.mark.parametrize("local_rank, mask", list(enumerate(TILES)))
+def test_aurora_tile_wrapper_gives_each_local_rank_one_tile(local_rank, mask):
+    """Local ranks 2g and 2g+1 share GPU g; where the user chose the FLAT hierarchy the same tile is device i."""
+    proc = tile_wrapper(local_rank)
+    assert proc.returncode == 0 and proc.stdout.split() == [mask, "COMPOSITE"], proc.stderr
+    flat = tile_wrapper(local_rank, ZE_FLAT_DEVICE_HIERARCHY="FLAT")
+    assert flat.returncode == 0 and flat.stdout.split() == [str(local_rank), "FLAT"], flat.stderr
+
+
+@pytest.mark.parametrize("local_rank, says", [
+    (None, "PALS_LOCAL_RANKID='' is not a local rank: start gpu_tile.sh with PALS's mpiexec"),
+    ("x", "PALS_LOCAL_RANKID='x' is not a local rank: start gpu_tile.sh with PALS's mpiexec"),
+    (12, "local rank 12 has no tile of its own: a node has 12; use --ppn 12 or fewer")])
+def test_aurora_tile_wrapper_refuses_a_rank_without_a_tile(local_rank, says):
+    proc = tile_wrapper(local_rank)
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr == says + "\n"
+
+
+def test_the_trainers_meet_where_the_aurora_recipe_says(monkeypatch):
+    """With MASTER_ADDR and MASTER_PORT both exported the PALS ranks meet there (no mpi4py broadcast); MASTER_ADDR
+    alone would be ignored, so the recipe exports both."""
+    from tutorial.core import distributed
+    world = world_from_env(dict(PALS_RANKID="13", PALS_LOCAL_RANKID="1", PMI_SIZE="24", PALS_LOCAL_SIZE="12"))
+    assert world == World(13, 1, 24, 12, "pals")
+    monkeypatch.setenv("MASTER_ADDR", "x4000c0s0b0n0")
+    monkeypatch.setenv("MASTER_PORT", "24242")
+    assert distributed.rendezvous(world) == ("x4000c0s0b0n0", 24242)
+    # the control: without MASTER_PORT the address is not used, rank 0's broadcast (a stand-in mpi4py here) decides
+    fake = types.ModuleType("mpi4py")
+    fake.MPI = types.SimpleNamespace(COMM_WORLD=types.SimpleNamespace(bcast=lambda mine, root: ("rank0", 1234)))
+    monkeypatch.setitem(sys.modules, "mpi4py", fake)
+    monkeypatch.delenv("MASTER_PORT")
+    assert distributed.rendezvous(world) == ("rank0", 1234)
 
 
 # ------------------------------------------------------------------------------------------------ Open MPI
