@@ -117,3 +117,19 @@ def test_this_torch_is_in_the_supported_range_and_the_floor_lane_runs_the_floor(
                               "-m", "torch.utils.collect_env"], capture_output=True, text=True, timeout=120)
         assert f"PyTorch version: {torch.__version__}" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"torch {floor[1]}.{floor[2]}" in (root / "README.md").read_text()  # said where people read it
+
+
+def test_a_rank_takes_its_local_gpu_of_any_vendor_and_the_cpu_without_one(monkeypatch):
+    """pick_device by core.accelerator: local rank i gets device i of the node's kind (Intel's tiles are "xpu", which
+    no machine here has: the vendor and count are given, and set_device is recorded), i modulo the count; no GPU, the
+    CPU. A CUDA build on this GPU-less machine says cpu for real."""
+    import torch
+    from tutorial.core import accelerator, distributed
+
+    assert distributed.pick_device(0, 2) == torch.device("cpu")
+    chosen = []
+    monkeypatch.setattr(accelerator, "vendor", lambda: accelerator.INTEL)
+    monkeypatch.setattr(accelerator, "device_count", lambda: 12)
+    monkeypatch.setattr(torch, "xpu", type("xpu", (), {"set_device": staticmethod(chosen.append)}), raising=False)
+    assert [distributed.pick_device(r, 12) for r in (0, 5, 13)] == [torch.device("xpu", i) for i in (0, 5, 1)]
+    assert chosen == [torch.device("xpu", i) for i in (0, 5, 1)]

@@ -3,10 +3,10 @@
 # One rank per tile: 12 ranks per node, each seeing one tile (gpu_tile.sh sets its ZE_AFFINITY_MASK).
 #   qsub -A <project> scripts/pbs/aurora/ddp.sh
 #   qsub -A <project> -q prod -l select=32 scripts/pbs/aurora/ddp.sh      (32 nodes, 384 ranks)
-# The backend on Intel GPUs is oneCCL's "xccl" (recent torch XPU builds; dist.get_default_backend_for_device("xpu")),
-# on device xpu:0, the one tile a rank sees. The trainer must pick both: tutorial.core.distributed.pick_device asks
-# torch.cuda only, and --backend allows auto, nccl and gloo, so today's trainer finds no GPU here, runs every rank on
-# its CPU cores and joins with gloo: the launch is right, the training does not use the tiles yet.
+# Each rank trains on xpu:0, the one tile it sees (tutorial.core.distributed.pick_device asks core.accelerator), and
+# --backend auto takes torch's default for that device, oneCCL's "xccl" (dist.get_default_backend_for_device("xpu"),
+# recent torch XPU builds). Untested on an XPU: no Intel GPU has run the course yet, and the trainers' other GPU
+# branches (mixed precision, memory figures) are written and checked for CUDA.
 #PBS -N ddp
 #PBS -q debug
 #PBS -l select=2

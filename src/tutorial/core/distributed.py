@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import accelerator
 from .config import ConfigError, first_line
 from .models import checksum
 from .process import threads_per_process
@@ -60,15 +61,17 @@ def world_from_env(env=None) -> World:
 
 
 def pick_device(local_rank: int, local_world_size: int = 1) -> torch.device:
-    """One process per GPU: local rank i uses GPU i of its node. Without GPUs, the CPU, shared fairly: n processes
-    with all cores' worth of threads each would fight over them (torchrun sets OMP_NUM_THREADS=1 for this reason;
-    mpirun, horovodrun and engines do not)."""
-    if not torch.cuda.is_available():
+    """One process per GPU: local rank i uses GPU i of its node, whoever made it (NVIDIA's and AMD's GPUs are torch's
+    "cuda", Intel's "xpu": core.accelerator); the backend "auto" then follows the device (init_process_group).
+    Without GPUs, the CPU, shared fairly: n processes with all cores' worth of threads each would fight over them
+    (torchrun sets OMP_NUM_THREADS=1 for this reason; mpirun, horovodrun and engines do not)."""
+    gpus = accelerator.device_count()
+    if not gpus:
         if "OMP_NUM_THREADS" not in os.environ and local_world_size > 1:
             torch.set_num_threads(threads_per_process(local_world_size))
         return torch.device("cpu")
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)  # so NCCL and cuda() calls never default to GPU 0
+    device = torch.device(accelerator.vendor().device_type, local_rank % gpus)
+    getattr(torch, device.type).set_device(device)  # so collectives and .to(device.type) never default to GPU 0
     return device
 
 
