@@ -76,11 +76,12 @@ FLOOR_LANE = .venv-floor/bin/python -m pytest $(FLOOR_TESTS) $(call junit,floor)
 UNIT_LANE = $(BIN)/python -m pytest tests --deselect tests/test_gpu_check.py::test_the_cpu_rehearsal_of_stage_1 \
 	$(call junit,unit)
 
-.PHONY: help install lab hub test test-unit test-notebooks unit nbval simgpu-lane floor-lane soak host-syncs notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
+.PHONY: help install lab hub hub-rehearsal test test-unit test-notebooks unit nbval simgpu-lane floor-lane soak host-syncs notebooks slides bench gpu-check gpu-bundle doctor clean check-vars
 
 help:
 	@echo "make lab        set up if needed, then JupyterLab on notebooks/ (token auth, prints the URL)"
 	@echo "make hub        as root: the workshop's hub rehearsed on virtual nodes with Slurm (HUB_ATTENDEES=alice,bob)"
+	@echo "make hub-rehearsal  as root: 12 attendees start their labs at once; spawn times to results/hub_load.jsonl"
 	@echo "make test       set up if needed, then unit tests, pytest --nbval notebooks/, the simulated-GPU lane"
 	@echo "make install    system MPI, .venv (pinned), Horovod (built, cached), the 'tutorial' kernel"
 	@echo "make notebooks  re-execute every notebook in place to refresh stored outputs (CPU preset)"
@@ -110,6 +111,13 @@ HUB_PORT ?= 8000
 HUB_ATTENDEES ?=
 hub: install
 	@PYTHONPATH=tools $(BIN)/python -m hub.rehearsal --port "$(HUB_PORT)" --attendees "$(HUB_ATTENDEES)"
+
+# The hub at a workshop's scale (tools/hub/load.py): 12 attendees log in and start their labs within the same minute
+# on 3 virtual nodes of 4 GPUs, some waiting in the queue behind an earlier job; prints each lab's spawn time, the
+# median and the worst, and appends them to results/hub_load.jsonl. HUB_REHEARSAL_ARGS="--attendees 20 --nodes 5".
+HUB_REHEARSAL_ARGS ?=
+hub-rehearsal: install
+	@PYTHONPATH=tools $(BIN)/python -m hub.load $(HUB_REHEARSAL_ARGS)
 
 unit: install
 	$(BIN)/python -m pytest tests

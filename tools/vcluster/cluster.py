@@ -10,14 +10,14 @@ import contextlib
 from . import nodes, slurm
 
 
-def up(n: int, with_slurm: bool = False, quiet: bool = False, gpus: int = 0) -> list[str]:
+def up(n: int, with_slurm: bool = False, quiet: bool = False, gpus: int = 0, cpus: int | None = None) -> list[str]:
     """Create node1..nodeN (replacing a virtual cluster that is up, Slurm included), and start Slurm on them if
-    asked (with `gpus` GPUs per node for its jobs); on any error, nothing is left up."""
+    asked (with `gpus` GPUs and `cpus` cores per node for its jobs); on any error, nothing is left up."""
     down(quiet=True)
     names = nodes.up(n, quiet=True)
     try:
         if with_slurm:
-            slurm.up(quiet=True, gpus=gpus)
+            slurm.up(quiet=True, gpus=gpus, cpus=cpus)
     except BaseException:
         down(quiet=True)
         raise
@@ -35,11 +35,12 @@ def down(quiet: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def cluster(n: int = 2, with_slurm: bool = False, lock_timeout: float = 900.0, gpus: int = 0):
+def cluster(n: int = 2, with_slurm: bool = False, lock_timeout: float = 900.0, gpus: int = 0,
+            cpus: int | None = None):
     """`with cluster.cluster(2) as names:` a fresh virtual cluster, removed afterwards, even after an error."""
     nodes.require_root()
     with nodes.lock(lock_timeout):
         try:
-            yield up(n, with_slurm=with_slurm, quiet=True, gpus=gpus)
+            yield up(n, with_slurm=with_slurm, quiet=True, gpus=gpus, cpus=cpus)
         finally:
             down(quiet=True)

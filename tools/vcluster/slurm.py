@@ -95,6 +95,8 @@ def slurm_conf(all_nodes: list[str], cpus: int, gpus: int = 0) -> str:
         "MinJobAge=30",
         "InactiveLimit=0",
         *(["GresTypes=gpu"] if gpus else []),
+        # More cores than this machine has (a workshop's node, rehearsed here): slurmd would drain the node for it
+        *(["SlurmdParameters=config_overrides"] if cpus > (os.cpu_count() or 1) else []),
     ]
     gres = f" Gres=gpu:{gpus}" if gpus else ""
     lines += [f"NodeName={node} NodeAddr={address(node)} CPUs={cpus}{gres} State=UNKNOWN" for node in all_nodes]
@@ -123,9 +125,9 @@ def gres_conf(node: str, gpus: int) -> str:
     return f"AutoDetect=off\nName=gpu File={_slurm_dir() / node / 'nvidia'}[0-{gpus - 1}]\n"
 
 
-def up(quiet: bool = False, timeout: float = 60.0, gpus: int = 0) -> None:
-    """munged and slurmctld on node1, slurmd on every node, each with `gpus` GPUs (gres.conf); returns when every
-    node is idle."""
+def up(quiet: bool = False, timeout: float = 60.0, gpus: int = 0, cpus: int | None = None) -> None:
+    """munged and slurmctld on node1, slurmd on every node, each with `gpus` GPUs (gres.conf) and `cpus` cores
+    (default: this machine's); returns when every node is idle."""
     require_root()
     all_nodes = nodes()
     if not all_nodes:
@@ -152,7 +154,7 @@ def up(quiet: bool = False, timeout: float = 60.0, gpus: int = 0) -> None:
         _wait(lambda: (munge / "munge.socket").exists(), 10, "munged did not create its socket", munge / "munged.log")
         slurm = _slurm_dir()
         (slurm / "ctld").mkdir(parents=True, exist_ok=True)
-        conf = slurm_conf(all_nodes, os.cpu_count() or 1, gpus)
+        conf = slurm_conf(all_nodes, cpus or os.cpu_count() or 1, gpus)
         for node in all_nodes:
             (slurm / node).mkdir(parents=True, exist_ok=True)
             for i in range(gpus):  # Slurm wants device files: /dev/null's numbers, which no job opens here

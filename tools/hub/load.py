@@ -1,0 +1,303 @@
+"""`make hub-rehearsal`: a workshop's first minute on the rehearsal hub. A room of attendees logs in and starts their
+labs within the same minute, on the virtual cluster's real Slurm, while a job from before the workshop still holds
+one node's GPUs: the labs that find no free GPU wait in the queue, and their spawn page says so, until it ends.
+
+    make hub-rehearsal                              # 12 attendees, 3 nodes of 4 GPUs and 4 cores, one lab per GPU
+    PYTHONPATH=tools .venv/bin/python -m hub.load --attendees 20 --nodes 5
+
+Each attendee is a client of their own doing what their browser does (tests/test_hub.py drives real browsers for
+two): the login form, the spawn page's progress stream (the messages the page shows, SlurmJobSpawner.progress), and
+their lab's page through the hub's proxy and OAuth, which comes only once JupyterLab runs. Printed, and appended
+to results/hub_load.jsonl with the machine and the date: each lab's seconds from the login to its lab answering, the
+median and the worst, which labs waited in the queue and what their page said, and the labs lost (0 is the bar).
+A lab that fails says why (its page's last message). Afterwards no job, attendee process, account, hub process,
+port or node is left; the run fails (exit 1) if one is, or if a lab did not start.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import html
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from http.cookiejar import CookieJar
+from pathlib import Path
+
+from . import rehearsal
+
+ROOT = rehearsal.HERE.parents[1]
+RESULTS = ROOT / "results" / "hub_load.jsonl"
+BLOCKER_S = 40  # the earlier job holds its node's GPUs this long after the room has logged in
+QUEUED_S = 10.0  # a job pending longer than a few of Slurm's scheduling passes waited for GPUs (the page said PENDING)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # bad input: one line and exit code 2, as every command of the workbook
+        print(f"error: {message} (see make hub-rehearsal's --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+@dataclass
+class Lab:
+    """What one attendee saw, from the login to their lab answering."""
+    name: str
+    messages: list = field(default_factory=list)  # [seconds since the login, the spawn page's message]
+    queued: str = ""                                # the page's first message while the job waited in the queue
+    queue_s: float | None = None                    # from that message to the page's "is running on" (Slurm's wait)
+    start_s: float | None = None                    # from "is running on" to the hub's "ready" (JupyterLab's start)
+    seconds: float | None = None                    # from the login to the lab's page; None: no lab
+    failed: str = ""                                # why there is no lab (the page's last message, or the error)
+    job: str = ""
+    node: str = ""
+
+
+class Attendee:
+    """One attendee's browser as far as the hub can tell: a cookie jar and the requests a browser makes."""
+
+    def __init__(self, url: str, name: str, password: str):
+        self.url, self.name, self.password = url, name, password
+        self.http = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(CookieJar()))
+        self.lab = Lab(name)
+
+    def get(self, path: str, timeout: float = 60) -> tuple[str, str]:
+        with self.http.open(self.url + path, timeout=timeout) as answer:
+            return answer.geturl().removeprefix(self.url), answer.read().decode("utf-8", "replace")
+
+    def start(self, start_timeout: float) -> None:
+        """Log in on the hub's page (the form, with its xsrf field), which starts the lab; follow the progress stream
+        the spawn page reads until the hub says the lab is ready or failed; then ask the lab itself."""
+        try:
+            _, page = self.get("/hub/login")
+            xsrf = re.search(r'name="_xsrf" value="([^"]+)"', page)
+            form = urllib.parse.urlencode(dict(username=self.name, password=self.password,
+                                               _xsrf=xsrf.group(1) if xsrf else "")).encode()
+            begun = time.monotonic()
+            with self.http.open(f"{self.url}/hub/login", data=form, timeout=120) as answer:
+                where, page = answer.geturl().removeprefix(self.url), answer.read().decode("utf-8", "replace")
+            if "/spawn-pending/" in where:
+                stream = re.search(r'new EventSource\("([^"]+)"\)', page)
+                if not stream:
+                    raise RuntimeError(f"the spawn page at {where} has no progress stream")
+                self._follow(html.unescape(stream.group(1)), begun, start_timeout)
+            elif f"/user/{self.name}/" not in where:
+                raise RuntimeError(f"after the login the hub answered {where}, not a spawn page or a lab")
+            if not self.lab.failed:  # the lab's page, through the proxy and the hub's OAuth, as the browser goes on
+                where, page = self.get(f"/user/{self.name}/lab", timeout=120)
+                if not where.startswith(f"/user/{self.name}/lab") or "jupyter-config-data" not in page:
+                    raise RuntimeError(f"the lab's page did not come: the hub answered {where}")
+                self.lab.seconds = round(time.monotonic() - begun, 1)
+        except (OSError, RuntimeError, ValueError) as exc:
+            self.lab.failed = self.lab.failed or f"{type(exc).__name__}: {exc}"
+
+    def _follow(self, stream: str, begun: float, timeout: float) -> None:
+        with self.http.open(self.url + stream, timeout=timeout) as events:
+            for raw in events:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                message = event.get("message", "")
+                self.lab.messages.append([round(time.monotonic() - begun, 1), message])
+                if "PENDING" in message and not self.lab.queued:
+                    self.lab.queued, queued_at = message, self.lab.messages[-1][0]
+                if " is running on " in message and self.lab.queued and self.lab.queue_s is None:
+                    self.lab.queue_s, running_at = round(self.lab.messages[-1][0] - queued_at, 1), \
+                        self.lab.messages[-1][0]
+                elif " is running on " in message and self.lab.queue_s is None:
+                    self.lab.queue_s, running_at = 0.0, self.lab.messages[-1][0]
+                if event.get("failed"):
+                    self.lab.failed = message or "the hub says the spawn failed"
+                    return
+                if event.get("ready"):
+                    if self.lab.queue_s is not None:
+                        self.lab.start_s = round(self.lab.messages[-1][0] - running_at, 1)
+                    return
+        self.lab.failed = self.lab.failed or "the progress stream ended without the lab being ready"
+
+
+def site_file(folder: Path, names: list[str]) -> Path:
+    """tools/hub/site.toml as a site would change it for the day: one GPU and one core per attendee, these attendees
+    only, a long idle time (no lab is culled during the rehearsal), the hub's state in folder."""
+    text = (rehearsal.HERE / "site.toml").read_text()
+    values = dict(gpus="1", cpus="1", time_limit='"00:30:00"', idle_seconds="3600", start_timeout="600",
+                  state_dir=json.dumps(str(folder / "hub-state")), allowed_users=json.dumps(names))
+    for key, value in values.items():
+        text, count = re.subn(rf"^{key} = [^#\n]*", f"{key} = {value}  ", text, flags=re.M)
+        if count != 1:
+            raise rehearsal.HubError(f"site.toml has no single line for {key}")
+    path = folder / "site.toml"
+    path.write_text(text)
+    return path
+
+
+def jobs() -> dict[str, str]:
+    """Slurm's jobs: id -> 'STATE user node'."""
+    from vcluster import nodes
+    out = nodes.run(rehearsal.LOGIN, ["squeue", "-h", "-o", "%i %T %u %N"], timeout=30).stdout
+    return {line.split()[0]: " ".join(line.split()[1:]) for line in out.splitlines() if line.strip()}
+
+
+def wait_until(ready, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1)
+    return True
+
+
+def rehearse(n: int, nodes_n: int, gpus: int, cpus: int, folder: Path) -> dict:
+    """The room's first minute; returns the record that main prints and appends to results/."""
+    import pwd
+
+    from vcluster import cluster, nodes, slurm
+    from tutorial.launch import child_processes
+
+    slurm.install(slurm.PACKAGES)
+    names = [f"hubload{i:02d}" for i in range(1, n + 1)]
+    site = site_file(folder, names)
+    tag = child_processes.new_tag()
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **{child_processes.TAG_VARIABLE: tag})
+    venv = Path(sys.prefix)
+    started = time.monotonic()
+    with cluster.cluster(nodes_n, with_slurm=True, gpus=gpus, cpus=cpus), \
+            rehearsal.attendees(names) as passwords, rehearsal.reachable_by_attendees(ROOT, venv):
+        uids = {name: pwd.getpwnam(name).pw_uid for name in names}
+        # A job from before the workshop (a benchmark that overran) holds the last node's GPUs for BLOCKER_S s.
+        blocker = nodes.run(rehearsal.LOGIN, ["sbatch", "--parsable", f"--nodelist=node{nodes_n}",
+                                               f"--gres=gpu:{gpus}", "--output=/dev/null", "--wrap",
+                                               f"sleep {BLOCKER_S}"], timeout=30).stdout.strip()
+        with rehearsal.Hub(site, folder / "hub-state", env) as hub:
+            room = [Attendee(hub.url, name, passwords[name]) for name in names]
+            threads = [threading.Thread(target=a.start, args=(600,), daemon=True) for a in room]
+            logins = time.monotonic()
+            for thread in threads:  # everyone within the same minute: the whole room in a few seconds
+                thread.start()
+                time.sleep(0.5)
+            for thread in threads:
+                thread.join(660)
+            running = jobs()
+            for a in room:
+                mine = [(job, facts.split()) for job, facts in running.items() if facts.split()[1:2] == [a.name]]
+                if mine:
+                    a.lab.job, a.lab.node = mine[0][0], (mine[0][1] + ["", "", ""])[2]
+            labs = [a.lab for a in room]
+            lost = [lab.name for lab in labs if lab.seconds is None or not lab.job]
+            print(f"hub-rehearsal: {n} attendees logged in within {n * 0.5:.0f} s; {time.monotonic() - logins:.0f} s "
+                  f"later every one had a lab or an answer; jobs then: {sorted(set(running.values()))}")
+        # Hub.stop() cancelled every lab's job; the attendees' processes end with them.
+        gone = wait_until(lambda: not jobs(), 90)
+        wait_until(lambda: not any(rehearsal.processes_of(uid) for uid in uids.values()), 60)
+        left_procs = {name: p for name, uid in uids.items() if (p := rehearsal.processes_of(uid))}
+        left_jobs = {} if gone else jobs()
+    left_nodes = sorted(({f"node{i}" for i in range(1, nodes_n + 1)} | {nodes.SWITCH}) & set(nodes.netns_list()))
+    left_accounts = [name for name in names if _exists(name)]
+    seconds = sorted(lab.seconds for lab in labs if lab.seconds is not None)
+    return dict(
+        kind="hub_load", date=datetime.now(timezone.utc).isoformat(timespec="seconds"), machine=_machine(),
+        attendees=n, nodes=nodes_n, gpus_per_node=gpus, cpus_per_node=cpus, blocker_job=blocker,
+        blocker_seconds=BLOCKER_S,
+        spawn_seconds=dict(_spread(seconds), each=seconds),
+        queued=sum((lab.queue_s or 0) > QUEUED_S for lab in labs), labs_lost=len(lost), lost=lost,
+        queue_seconds=_spread([lab.queue_s for lab in labs]), start_seconds=_spread([lab.start_s for lab in labs]),
+        left=dict(jobs=left_jobs, processes=left_procs, nodes=left_nodes, accounts=left_accounts,
+                  hub=child_processes.leftovers(tag)),
+        wall_seconds=round(time.monotonic() - started), labs=[asdict(lab) for lab in labs])
+
+
+def _spread(values: list) -> dict:
+    known = sorted(v for v in values if v is not None)
+    return dict(median=round(statistics.median(known), 1), worst=known[-1]) if known else dict(median=None, worst=None)
+
+
+def _exists(name: str) -> bool:
+    import pwd
+    try:
+        pwd.getpwnam(name)
+        return True
+    except KeyError:
+        return False
+
+
+def _machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return dict(cpu=cpu, cores=os.cpu_count(), commit=commit.stdout.strip() or None)
+
+
+def report(record: dict) -> str:
+    spawn = record["spawn_seconds"]
+    lines = [f"hub-rehearsal: {record['attendees']} attendees on {record['nodes']} nodes of "
+             f"{record['gpus_per_node']} GPUs, an earlier job holding node{record['nodes']}'s GPUs for "
+             f"{record['blocker_seconds']} s",
+             f"  labs running: {record['attendees'] - record['labs_lost']} of {record['attendees']}; "
+             f"from the login to the lab's page: median {spawn['median']} s, worst {spawn['worst']} s",
+             f"  of which the job pending in Slurm's queue: median {record['queue_seconds']['median']} s, worst "
+             f"{record['queue_seconds']['worst']} s ({record['queued']} labs waited over {QUEUED_S:.0f} s, "
+             f"their page saying so); JupyterLab starting in the job: median {record['start_seconds']['median']} s, "
+             f"worst {record['start_seconds']['worst']} s"]
+    for lab in record["labs"]:
+        said = f"; the page said {lab['queued']!r} for {lab['queue_s']} s" if (lab["queue_s"] or 0) > QUEUED_S else ""
+        how = f"{lab['seconds']} s, job {lab['job']} on {lab['node']}" if lab["seconds"] is not None else \
+            f"NO LAB: {lab['failed']}"
+        lines.append(f"    {lab['name']}: {how}{said}")
+    left = {k: v for k, v in record["left"].items() if v}
+    lines.append(f"  labs lost: {record['labs_lost']}; left afterwards: {left or 'nothing'}; "
+                 f"{record['wall_seconds']} s in all")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _Parser(prog="make hub-rehearsal", description=__doc__.splitlines()[0], allow_abbrev=False)
+    args.add_argument("--attendees", type=int, default=12, help="attendees logging in at once (default 12)")
+    args.add_argument("--nodes", type=int, default=3, help="virtual compute nodes (default 3; node1 is also the "
+                                                            "login node)")
+    args.add_argument("--gpus", type=int, default=4, help="GPUs per node, one per lab (default 4)")
+    args.add_argument("--cpus", type=int, default=4, help="cores per node as Slurm counts them, one per lab "
+                                                           "(default 4, whatever this machine has)")
+    args.add_argument("--results", type=Path, default=RESULTS, help=f"the JSON lines file (default {RESULTS})")
+    ns = args.parse_args(argv)
+    for name in ("attendees", "nodes", "gpus", "cpus"):
+        if getattr(ns, name) < 1:
+            args.error(f"--{name} {getattr(ns, name)} is not allowed: give 1 or more")
+    if ns.attendees > ns.nodes * min(ns.gpus, ns.cpus):
+        args.error(f"--attendees {ns.attendees} is more than {ns.nodes} nodes x {min(ns.gpus, ns.cpus)} labs each "
+                   f"can run at once: the rest would wait for a lab to end, which nobody ends here")
+    from vcluster import nodes, slurm
+    import tempfile
+    try:
+        nodes.require_root()
+        if not (rehearsal.HERE / "node_modules" / ".bin" / "configurable-http-proxy").exists():
+            raise nodes.NodesError("the hub's proxy is not installed: make install (npm ci in tools/hub)")
+        with tempfile.TemporaryDirectory(prefix="hub-rehearsal-") as folder:
+            record = rehearse(ns.attendees, ns.nodes, ns.gpus, ns.cpus, Path(folder))
+    except nodes.NodesError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (rehearsal.HubError, slurm.SetupError, subprocess.SubprocessError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(report(record))
+    ns.results.parent.mkdir(parents=True, exist_ok=True)
+    with open(ns.results, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(f"hub-rehearsal: appended to {ns.results}")
+    return 0 if record["labs_lost"] == 0 and not any(record["left"].values()) else 1
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
