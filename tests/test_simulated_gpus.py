@@ -578,7 +578,8 @@ def test_tensors_made_below_python_are_not_refused_as_cpu_tensors():
     """A DTensor op's local result is made by DTensor's dispatch, below the simulation's reach, as a plain CPU tensor:
     what Python computes from it is of unknown device, not the CPU (12's tensor-parallel attention added it to the
     residual stream on the GPU and was refused, falsely: 22e90d0 fails the first line). A CPU tensor Python made is
-    still refused beside a GPU one."""
+    still refused beside a GPU one. DTensor's backward runs its Python inside autograd's engine, which the simulation
+    now starts itself (simgpu._backward): 22e90d0 reached the real CUDA there ("CUDA driver version is insufficient")."""
     out = python("""
         import torch, torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -591,8 +592,12 @@ def test_tensors_made_below_python_are_not_refused_as_cpu_tensors():
             torch.ones(4) * 2 + torch.ones(4, device="cuda")
         except RuntimeError as exc:
             print("a CPU tensor Python made:", str(exc).split(",")[0])
+        w = torch.ones(4, 4, device="cuda", requires_grad=True)
+        (DTensor.from_local(w, dt.device_mesh, [Replicate()]) @ dt).to_local().sum().backward()
+        print("the gradient through DTensor's backward:", w.grad.device, float(w.grad.sum()))
         dist.destroy_process_group()
     """, gpus=1)
     assert out.stdout.splitlines() == ["the local result plus a GPU tensor: cuda:0",
-                                       "a CPU tensor Python made: Expected all tensors to be on the same device"], \
+                                       "a CPU tensor Python made: Expected all tensors to be on the same device",
+                                       "the gradient through DTensor's backward: cuda:0 64.0"], \
         out.stdout + out.stderr[-3000:]

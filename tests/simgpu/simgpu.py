@@ -43,8 +43,8 @@ is), and tensors that DDP's reducer, autograd, FSDP2's DTensor and DCP make belo
 plain CPU tensors here, so only CPU tensors made by Python, and what Python computes from them alone, count as the
 CPU in the device check and NCCL's: DDP's buckets reach a comm hook's all-reduce as they would on a GPU, but say cpu;
 memory counts them where it can find them: gradients, saved values, DDP's buckets; FSDP2's and DCP's only where
-Python ops made them). Python that such code runs inside backward() bypasses the simulation: a DTensor's backward
-moves its gradient to the real CUDA, which fails without a driver (12's tensor-parallel memory run on simulated GPUs).
+Python ops made them). The Python such code runs inside backward() (DTensor's, FSDP2's,
+DDP's comm hooks) runs with the simulation on: loss.backward() starts autograd's engine itself (_backward).
 Those are gpu-check's, on a real GPU; the Makefile runs 04 and 09 on the CPU for these reasons.
 """
 from __future__ import annotations
@@ -765,6 +765,8 @@ def _mode_class(torch):
     class Mode(TorchFunctionMode):
         def __torch_function__(self, func, types_, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if func is torch.Tensor.backward or func is torch.autograd.backward:
+                return _backward(self, func, args, kwargs)
             name = getattr(func, "__name__", "")
             if name in ("to", "cuda", "cpu") and args and isinstance(args[0], torch.Tensor):
                 moved = _transfer(torch, name, args, kwargs)
@@ -823,6 +825,31 @@ def _mode_class(torch):
             return tree_map_only(torch.Tensor, _on_cpu if index is None else (lambda t: _tag(t, index)), out)
 
     return Mode
+
+
+def _backward(mode, func, args, kwargs) -> None:
+    """loss.backward() (torch.autograd.backward), run with the simulation on. Autograd's engine runs the Python of
+    custom Functions and hooks inside it (DTensor's redistribution, FSDP2's reduce-scatter, DDP's comm hooks), on this
+    thread; called from the mode as any op is, with torch functions off, that Python reached the real CUDA ("Found no
+    NVIDIA driver", a DTensor gradient moved to 'cuda'). So the engine is started here, the mode pushed again, as
+    torch.autograd.backward starts it (its private steps: this is a test tool, checked against the floor torch too)."""
+    import torch
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    names = ("tensors", "grad_tensors", "retain_graph", "create_graph") + \
+        (("inputs",) if func is torch.Tensor.backward else ("grad_variables", "inputs"))
+    bound = dict(zip(names, args), **{"grad_tensors" if k == "gradient" else k: v for k, v in kwargs.items()})
+    tensors, inputs = bound["tensors"], bound.get("inputs")
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    create = bool(bound.get("create_graph") or False)
+    retain = create if bound.get("retain_graph") is None else bound["retain_graph"]
+    with torch._C.DisableTorchFunction():
+        grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(bound.get("grad_tensors"), len(tensors)),
+                            is_grads_batched=False)
+    with mode:
+        _engine_run_backward(tensors, grads, retain, create, inputs, allow_unreachable=True, accumulate_grad=True)
 
 
 def _as_cpu_tensor(t, method, args, kwargs):
