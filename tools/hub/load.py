@@ -8,8 +8,9 @@ one node's GPUs: the labs that find no free GPU wait in the queue, and their spa
 Each attendee is a client of their own doing what their browser does (tests/test_hub.py drives real browsers for
 two): the login form, the spawn page's progress stream (the messages the page shows, SlurmJobSpawner.progress), and
 their lab's page through the hub's proxy and OAuth, which comes only once JupyterLab runs. Printed, and appended
-to results/hub_load.jsonl with the machine and the date: each lab's seconds from the login to its lab answering, the
-median and the worst, which labs waited in the queue and what their page said, and the labs lost (0 is the bar).
+to results/hub/hub_load.jsonl with the hardware, versions and date: each lab's seconds from the login to its page,
+the median and the worst, Slurm's queue wait and JupyterLab's start, what a waiting lab's page said, and the labs
+lost (0 is the bar).
 A lab that fails says why (its page's last message). Afterwards no job, attendee process, account, hub process,
 port or node is left; the run fails (exit 1) if one is, or if a lab did not start.
 """
@@ -20,7 +21,6 @@ import contextlib
 import html
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -31,14 +31,14 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from http.cookiejar import CookieJar
 from pathlib import Path
 
 from . import rehearsal
 
 ROOT = rehearsal.HERE.parents[1]
-RESULTS = ROOT / "results" / "hub_load.jsonl"
+# Beside the benchmarks' files, in a folder of its own: 07 lists every kind of results/*.jsonl in a compared output.
+RESULTS = ROOT / "results" / "hub"
 BLOCKER_S = 40  # the earlier job holds its node's GPUs this long after the room has logged in
 QUEUED_S = 10.0  # a job pending longer than a few of Slurm's scheduling passes waited for GPUs (the page said PENDING)
 
@@ -206,7 +206,6 @@ def rehearse(n: int, nodes_n: int, gpus: int, cpus: int, folder: Path) -> dict:
     left_accounts = [name for name in names if _exists(name)]
     seconds = sorted(lab.seconds for lab in labs if lab.seconds is not None)
     return dict(
-        kind="hub_load", date=datetime.now(timezone.utc).isoformat(timespec="seconds"), machine=_machine(),
         attendees=n, nodes=nodes_n, gpus_per_node=gpus, cpus_per_node=cpus, blocker_job=blocker,
         blocker_seconds=BLOCKER_S,
         spawn_seconds=dict(_spread(seconds), each=seconds),
@@ -229,13 +228,6 @@ def _exists(name: str) -> bool:
         return True
     except KeyError:
         return False
-
-
-def _machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return dict(cpu=cpu, cores=os.cpu_count(), commit=commit.stdout.strip() or None)
 
 
 def report(record: dict) -> str:
@@ -268,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     args.add_argument("--gpus", type=int, default=4, help="GPUs per node, one per lab (default 4)")
     args.add_argument("--cpus", type=int, default=4, help="cores per node as Slurm counts them, one per lab "
                                                            "(default 4, whatever this machine has)")
-    args.add_argument("--results", type=Path, default=RESULTS, help=f"the JSON lines file (default {RESULTS})")
+    args.add_argument("--results", type=Path, default=RESULTS,
+                      help=f"the folder of hub_load.jsonl (default {RESULTS.relative_to(ROOT)})")
     ns = args.parse_args(argv)
     for name in ("attendees", "nodes", "gpus", "cpus"):
         if getattr(ns, name) < 1:
@@ -291,10 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(report(record))
-    ns.results.parent.mkdir(parents=True, exist_ok=True)
-    with open(ns.results, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    print(f"hub-rehearsal: appended to {ns.results}")
+    from tutorial.bench.record import append_result  # the benchmarks' record: hardware, versions, command, date
+    setup = ("attendees", "nodes", "gpus_per_node", "cpus_per_node", "blocker_job", "blocker_seconds")
+    path = append_result(ns.results, "hub_load", [sys.executable, "-m", "hub.load", *(argv or sys.argv[1:])],
+                         {k: record[k] for k in setup}, {k: v for k, v in record.items() if k not in setup})
+    print(f"hub-rehearsal: appended to {path}")
     return 0 if record["labs_lost"] == 0 and not any(record["left"].values()) else 1
 
 
