@@ -86,26 +86,17 @@ pytestmark = pytest.mark.usefixtures("nothing_left_behind")  # conftest's: every
 def site_file(tmp_path: Path) -> Path:
     """tools/hub/site.toml with what a site changes, as a site administrator would change it: the reservation, an
     account, one GPU and one core per attendee, a short idle time; the hub's state in tmp_path."""
-    text = (ROOT / "tools" / "hub" / "site.toml").read_text()
-    values = dict(reservation=f'"{RESERVATION}"', account='"trn-rehearsal"', time_limit='"00:15:00"', gpus="1",
-                  cpus="1", idle_seconds=str(IDLE_S), start_timeout="240", state_dir=f'"{tmp_path / "hub-state"}"',
-                  allowed_users=json.dumps(list(ATTENDEES)))
-    for key, value in values.items():
-        text, count = re.subn(rf"^{key} = [^#\n]*", f"{key} = {value}  ", text, flags=re.M)
-        assert count == 1, f"site.toml has no single line for {key}"
-    path = tmp_path / "site.toml"
-    path.write_text(text)
-    return path
+    return rehearsal.site_file(tmp_path, reservation=f'"{RESERVATION}"', account='"trn-rehearsal"',
+                               time_limit='"00:15:00"', gpus="1", cpus="1", idle_seconds=str(IDLE_S),
+                               start_timeout="240", state_dir=f'"{tmp_path / "hub-state"}"',
+                               allowed_users=json.dumps(list(ATTENDEES)))
 
 
 def on_login_node(*cmd: str) -> str:
     return nodes.run(rehearsal.LOGIN, list(cmd), timeout=30).stdout.strip()
 
 
-def jobs() -> dict[str, str]:
-    """Slurm's queue: job id -> 'STATE USER NODE'."""
-    lines = on_login_node("squeue", "-h", "-o", "%i %T %u %N").splitlines()
-    return {line.split()[0]: " ".join(line.split()[1:]) for line in lines}
+jobs = rehearsal.jobs  # Slurm's queue: job id -> 'STATE USER NODE'
 
 
 def wait_until(what: str, ready, timeout: float) -> float:

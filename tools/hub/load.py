@@ -127,28 +127,6 @@ class Attendee:
         self.lab.failed = self.lab.failed or "the progress stream ended without the lab being ready"
 
 
-def site_file(folder: Path, names: list[str]) -> Path:
-    """tools/hub/site.toml as a site would change it for the day: one GPU and one core per attendee, these attendees
-    only, a long idle time (no lab is culled during the rehearsal), the hub's state in folder."""
-    text = (rehearsal.HERE / "site.toml").read_text()
-    values = dict(gpus="1", cpus="1", time_limit='"00:30:00"', idle_seconds="3600", start_timeout="600",
-                  state_dir=json.dumps(str(folder / "hub-state")), allowed_users=json.dumps(names))
-    for key, value in values.items():
-        text, count = re.subn(rf"^{key} = [^#\n]*", f"{key} = {value}  ", text, flags=re.M)
-        if count != 1:
-            raise rehearsal.HubError(f"site.toml has no single line for {key}")
-    path = folder / "site.toml"
-    path.write_text(text)
-    return path
-
-
-def jobs() -> dict[str, str]:
-    """Slurm's jobs: id -> 'STATE user node'."""
-    from vcluster import nodes
-    out = nodes.run(rehearsal.LOGIN, ["squeue", "-h", "-o", "%i %T %u %N"], timeout=30).stdout
-    return {line.split()[0]: " ".join(line.split()[1:]) for line in out.splitlines() if line.strip()}
-
-
 def wait_until(ready, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not ready():
@@ -167,7 +145,11 @@ def rehearse(n: int, nodes_n: int, gpus: int, cpus: int, folder: Path) -> dict:
 
     slurm.install(slurm.PACKAGES)
     names = [f"hubload{i:02d}" for i in range(1, n + 1)]
-    site = site_file(folder, names)
+    # The day's site: one GPU and one core per attendee, these attendees only, a long idle time (no lab is culled
+    # during the rehearsal), the hub's state in folder.
+    site = rehearsal.site_file(folder, gpus="1", cpus="1", time_limit='"00:30:00"', idle_seconds="3600",
+                               start_timeout="600", state_dir=json.dumps(str(folder / "hub-state")),
+                               allowed_users=json.dumps(names))
     tag = child_processes.new_tag()
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **{child_processes.TAG_VARIABLE: tag})
     venv = Path(sys.prefix)
@@ -188,7 +170,7 @@ def rehearse(n: int, nodes_n: int, gpus: int, cpus: int, folder: Path) -> dict:
                 time.sleep(0.5)
             for thread in threads:
                 thread.join(660)
-            running = jobs()
+            running = rehearsal.jobs()
             for a in room:
                 mine = [(job, facts.split()) for job, facts in running.items() if facts.split()[1:2] == [a.name]]
                 if mine:
@@ -198,10 +180,10 @@ def rehearse(n: int, nodes_n: int, gpus: int, cpus: int, folder: Path) -> dict:
             print(f"hub-rehearsal: {n} attendees logged in within {n * 0.5:.0f} s; {time.monotonic() - logins:.0f} s "
                   f"later every one had a lab or an answer; jobs then: {sorted(set(running.values()))}")
         # Hub.stop() cancelled every lab's job; the attendees' processes end with them.
-        gone = wait_until(lambda: not jobs(), 90)
+        gone = wait_until(lambda: not rehearsal.jobs(), 90)
         wait_until(lambda: not any(rehearsal.processes_of(uid) for uid in uids.values()), 60)
         left_procs = {name: p for name, uid in uids.items() if (p := rehearsal.processes_of(uid))}
-        left_jobs = {} if gone else jobs()
+        left_jobs = {} if gone else rehearsal.jobs()
     left_nodes = sorted(({f"node{i}" for i in range(1, nodes_n + 1)} | {nodes.SWITCH}) & set(nodes.netns_list()))
     left_accounts = [name for name in names if _exists(name)]
     seconds = sorted(lab.seconds for lab in labs if lab.seconds is not None)

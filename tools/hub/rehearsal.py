@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import os
 import pwd
+import re
 import secrets
 import signal
 import socket
@@ -93,6 +94,26 @@ def reachable_by_attendees(checkout: Path, venv: Path):
     finally:
         for folder, mode in reversed(opened):
             folder.chmod(stat.S_IMODE(mode))
+
+
+def site_file(folder: Path, **values: str) -> Path:
+    """folder/site.toml: tools/hub/site.toml with `values` (TOML, e.g. gpus="1", account='"trn011"') on the lines
+    of those keys, as a site administrator changes them (the rehearsals' and the tests' sites)."""
+    text = (HERE / "site.toml").read_text()
+    for key, value in values.items():
+        text, count = re.subn(rf"^{key} = [^#\n]*", f"{key} = {value}  ", text, flags=re.M)
+        if count != 1:
+            raise HubError(f"site.toml has no single line for {key}")
+    path = Path(folder) / "site.toml"
+    path.write_text(text)
+    return path
+
+
+def jobs() -> dict[str, str]:
+    """Slurm's queue on the virtual cluster: job id -> 'STATE USER NODE'."""
+    from vcluster import nodes
+    out = nodes.run(LOGIN, ["squeue", "-h", "-o", "%i %T %u %N"], timeout=30).stdout
+    return {line.split()[0]: " ".join(line.split()[1:]) for line in out.splitlines() if line.strip()}
 
 
 # ----------------------------------------------------------------------------------------------------- the hub
