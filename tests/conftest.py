@@ -148,6 +148,16 @@ def cluster(session_engines):
     yield c
 
 
+@pytest.fixture(autouse=True)
+def engines_answer_before_each_test(request):
+    """Before every test that uses the session's engines (directly or through a module's fixture): a ping (a few ms),
+    and fresh engines if one does not answer, so that one test that broke them fails alone, not every test after it."""
+    if "cluster" in request.fixturenames:
+        c = request.getfixturevalue("cluster")
+        if not c._healthy():
+            c.restart()
+
+
 @pytest.fixture
 def nothing_left_behind():
     """After a test: no process it started survives (everything this process starts carries its launch tag). Any

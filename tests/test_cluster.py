@@ -324,6 +324,31 @@ def test_an_engine_busy_with_another_task_is_named_within_the_bound_and_an_inter
             left.wait(10)
 
 
+def test_a_run_ended_by_the_callers_own_time_limit_leaves_no_engine_busy(local):
+    """The caller's own limit (pytest-timeout's alarm, here SIGALRM raising an exception) ends run()'s wait while the
+    ranks still run: the engines are replaced on the way out, the exception says so, and the next run starts at once.
+    Negative control: before, the ranks stayed busy with the old task and every later run failed (a CI run in which
+    one test's timeout failed every engine test after it)."""
+    class OwnLimit(Exception):
+        pass
+
+    def limit(signum, frame):
+        raise OwnLimit("the caller's time limit")
+
+    old_pids = [e.pid for e in local.engines]
+    previous = signal.signal(signal.SIGALRM, limit)
+    signal.alarm(2)
+    try:
+        with pytest.raises(OwnLimit) as caught:
+            local.run(time.sleep, 120)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert caught.value.__notes__ == ["time.sleep was still running on the engines: The engines were restarted (new "
+                                      "processes); run again."]
+    assert local._healthy() and local.run(os.getpid) not in old_pids
+
+
 def test_functions_defined_in_a_notebook_run_on_the_engines(local):
     """ipyparallel sends a function's code: one defined in a notebook (module __main__), a lambda too, runs on every
     engine with the engine's namespace as its globals, so it imports what it uses."""

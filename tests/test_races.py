@@ -9,11 +9,13 @@ together instead of silently diverging.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -142,6 +144,32 @@ ROUNDS = 10 if SOAK else 3
 TORCHRUN_LAUNCHES = 4 if SOAK else 1
 
 
+# The soak's own bounds, inside pytest-timeout's 300 s, so that a hang fails here with the stuck ranks' stacks.
+SOAK_S, TORCHRUN_S = 270.0, 120.0
+
+
+def launch_or_dump(command: list, tag: str, timeout: float) -> tuple[int | None, str]:
+    """Run a torchrun launch; past `timeout`, SIGABRT its ranks and agent (PYTHONFAULTHANDLER prints where each one
+    waits) and stop what is left. Returns the exit code (None after a timeout) and the tail of its output."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env=env(PYTHONFAULTHANDLER="1", **{child_processes.TAG_VARIABLE: tag}))
+    try:
+        output, _ = proc.communicate(timeout=max(1.0, timeout))
+        return proc.returncode, output[-3000:]
+    except subprocess.TimeoutExpired:
+        # the ranks, then torchrun's agent (a hang in its rendezvous shows there)
+        ranks = sorted(child_processes.leftovers(tag, ("tutorial.train_ddp",)),
+                       key=lambda p: "torch.distributed.run" in p["cmdline"])
+        for p in ranks:  # one at a time: their stacks would interleave
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p["pid"], signal.SIGABRT)
+            time.sleep(1.5)
+        child_processes.stop([proc.pid] + [p["pid"] for p in child_processes.leftovers(tag, ("torch.distributed",))])
+        output, _ = proc.communicate(timeout=30)
+        stacks = output[output.find("Fatal Python error"):][:8000]
+        return None, f"did not end within {timeout:.0f} s; its ranks' stacks (SIGABRT):\n{stacks}"
+
+
 def test_attendees_rendezvous_at_once_beside_torchrun(tmp_path):
     """ATTENDEES attendees' engines (2 each) rendezvous again and again at once: ROUNDS groups made by hand as in
     00/03a, one made by Lightning on the engines (08 [13]) and one by train_ddp through cluster.run, while torchrun
@@ -155,19 +183,18 @@ def test_attendees_rendezvous_at_once_beside_torchrun(tmp_path):
                                   env=env(PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT / "src")]),
                                           **{child_processes.TAG_VARIABLE: tag}))
                  for i in range(ATTENDEES)]
-    launches = []
+    launches, deadline = [], time.monotonic() + SOAK_S
     try:
         while len(launches) < TORCHRUN_LAUNCHES or any(a.poll() is None for a in attendees):
             out = tmp_path / f"torchrun{len(launches)}"
-            proc = subprocess.run(torchrun_cmd(2, "ddp", "--preset", "smoke", "--epochs", "1", "--max-steps", "3",
-                                               "--out", str(out)),
-                                  capture_output=True, text=True, timeout=240, cwd=ROOT,
-                                  env=env(**{child_processes.TAG_VARIABLE: tag}))
-            assert proc.returncode == 0, proc.stderr[-3000:]
+            returncode, output = launch_or_dump(
+                torchrun_cmd(2, "ddp", "--preset", "smoke", "--epochs", "1", "--max-steps", "3", "--out", str(out)),
+                tag, min(TORCHRUN_S, deadline - time.monotonic()))
+            assert returncode == 0, f"torchrun launch {len(launches)}: {output}"
             launches.append(json.loads((out / "metrics.json").read_text())["replicas_identical"])
         reports = []
         for a in attendees:
-            stdout, stderr = a.communicate(timeout=300)
+            stdout, stderr = a.communicate(timeout=max(1.0, deadline - time.monotonic()))
             assert a.returncode == 0, stderr[-3000:]
             reports.append(json.loads(stdout.strip().splitlines()[-1]))
     finally:

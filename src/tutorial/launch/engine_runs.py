@@ -91,6 +91,17 @@ class Runs:
             if result is None:  # while the engines were asked for the port: _ask has freed them and says how
                 raise
             raise KeyboardInterrupt(self._interrupt(result, _name(fn))) from None
+        except (RankError, ClusterError):  # _collect has replaced the ranks it named, where any were left running
+            raise
+        except BaseException as exc:
+            # Anything else that ends the wait while ranks still run (a caller's own time limit such as
+            # pytest-timeout's, SystemExit) would leave them busy, and every later run would find them so:
+            # replace them first, and say so on the way out.
+            if result is not None and not result.ready() and not self.cluster._stopped:
+                with contextlib.suppress(Exception):
+                    self.cluster.client.abort(result, block=False)
+                exc.add_note(f"{_name(fn)} was still running on the engines: {self._recover()}")
+            raise
         return self.cluster.results[0]
 
     def _collect(self, result, timeout: float) -> list:
