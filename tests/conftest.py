@@ -128,7 +128,9 @@ def session_engines():
     tag = f"tests-engines-{os.getpid()}-{os.urandom(4).hex()}"
     own_tag, child_processes.new_tag = child_processes.new_tag, lambda: tag
     try:
-        c = engines.start(n=2, show=False, name="tests")
+        # a run that hangs ends in an EngineTimeout naming the stuck ranks and what they wait for, before
+        # pytest-timeout's 300 s would end the test with only this process's stacks
+        c = engines.start(n=2, show=False, name="tests", run_timeout=240)
     finally:
         child_processes.new_tag = own_tag
     yield c
