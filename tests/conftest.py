@@ -153,7 +153,8 @@ def cluster(session_engines):
 @pytest.fixture(autouse=True)
 def engines_answer_before_each_test(request):
     """Before every test that uses the session's engines (directly or through a module's fixture): a ping (a few ms),
-    and fresh engines if one does not answer, so that one test that broke them fails alone, not every test after it."""
+    and fresh engines if one does not answer, so that one test that broke them fails alone, not every test after it.
+    (pytest sets up module-scoped fixtures before this one: `cluster` checks them too, for those.)"""
     if "cluster" in request.fixturenames:
         c = request.getfixturevalue("cluster")
         if not c._healthy():

@@ -98,8 +98,6 @@ class Runs:
             # pytest-timeout's, SystemExit) would leave them busy, and every later run would find them so:
             # replace them first, and say so on the way out.
             if result is not None and not result.ready() and not self.cluster._stopped:
-                with contextlib.suppress(Exception):
-                    self.cluster.client.abort(result, block=False)
                 exc.add_note(f"{_name(fn)} was still running on the engines: {self._recover()}")
             raise
         return self.cluster.results[0]
