@@ -156,6 +156,16 @@ def test_bf16_trains_on_cpu(tmp_path):
     assert m["observed"]["dtypes"] == ["bfloat16"] and m["test_accuracy"] >= 0.95
 
 
+def test_fsdp_bf16_with_batchnorm_runs_on_every_supported_torch(tmp_path):
+    """FSDP's bf16 policy on the ResNet (BatchNorm units in fp32, each handing bf16 on). In the floor lane this runs
+    on the lent GPU node's torch 2.11, whose output_dtype casts a unit of several modules only where the unit ends:
+    there it failed as on the H200 (2026-11-29: "Input type (float) and weight type (bfloat16)") until each norm cast
+    its own output."""
+    run(torchrun_cmd(1, "fsdp", "--preset", "workshop-cpu", "--precision", "bf16", "--max-steps", "1",
+                     "--out", tmp_path))
+    assert metrics(tmp_path)["precision"] == "bf16" and metrics(tmp_path)["steps"] == 1
+
+
 def test_accumulation_in_one_process_matches_the_whole_batch(tmp_path, monkeypatch):
     """Two micro-batches of 16 then a step (clipped) are one step on the batch of 32, under a warm-up and cosine lr:
     the same sample order, the same weighting, the same lr per optimizer step. Negative control: the same run with

@@ -66,13 +66,18 @@ def build(cfg: TrainConfig, device: torch.device):
     lr = scaled_lr(cfg, dist.get_world_size())  # DDP: a world_size times larger batch, a larger lr
     optimizer = build_optimizer(model, cfg, lr)
     # DeepSpeed: the engine does what the other trainers spell out, configured from the same cfg.
-    # fp16 is its loss-scaled mode; bf16 is autocast (below), as in every trainer: its "bf16" mode
-    # keeps bf16 weights beside fp32 BatchNorm statistics, which the CPU kernel refuses. Untested
+    # fp16 is its loss-scaled mode: the module halved, and the inputs too (auto_cast). bf16 is
+    # autocast, as in every trainer, but declared to the engine: its forward turns a CUDA autocast
+    # of ours off unless its own torch_autocast is on (an H200 ran "bf16" in fp32 so, 2026-11-29),
+    # with no module's gradients reduced in bf16 (DDP reduces in fp32). Its own "bf16" mode keeps
+    # bf16 weights beside fp32 BatchNorm statistics, which the CPU kernel refuses. Untested
     # optimizer: our SGD; RunLog prints, not it.
     ds_config = {"train_micro_batch_size_per_gpu": cfg.batch_size,
                  "gradient_accumulation_steps": cfg.grad_accum,
                  "zero_optimization": {"stage": cfg.zero_stage}, "gradient_clipping": cfg.clip_grad,
-                 "fp16": {"enabled": cfg.precision == "fp16"},
+                 "fp16": {"enabled": cfg.precision == "fp16", "auto_cast": True},
+                 "torch_autocast": {"enabled": cfg.precision == "bf16", "dtype": "bfloat16",
+                                    "lower_precision_safe_modules": []},
                  "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}
     # DeepSpeed: its note on our torch optimizer hidden, also when a lesson calls build() directly
     with quiet_deepspeed():

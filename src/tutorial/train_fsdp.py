@@ -70,9 +70,13 @@ def build(cfg: TrainConfig, device: torch.device, precision):  # FSDP: and the p
     policy = MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=torch.float32)
     groups = [batch_norms(block) for block in blocks(model)]
     groups.append([norm for norm in batch_norms(model) if not any(norm in g for g in groups)])
-    norms_policy = MixedPrecisionPolicy(torch.float32, output_dtype=precision.dtype)
     for norms in [group for group in groups if group] if precision.dtype else []:
-        fully_shard(norms, mp_policy=norms_policy)  # FSDP
+        # FSDP: each norm fp32 in, the policy's dtype out, by its own hooks: torch < 2.14's
+        # output_dtype casts a unit of several modules only where it ends (an H200 failed so)
+        for norm in norms:
+            norm.register_forward_pre_hook(lambda _, args: tuple(a.float() for a in args))  # FSDP
+            norm.register_forward_hook(lambda _, args, out: out.to(precision.dtype))  # FSDP
+        fully_shard(norms, mp_policy=MixedPrecisionPolicy(torch.float32))  # FSDP
     for block in blocks(model):
         # FSDP: each block's forward compiled, FSDP's gathers around it left eager (as torchtitan)
         if cfg.compile:
