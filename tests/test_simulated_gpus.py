@@ -601,3 +601,35 @@ def test_tensors_made_below_python_are_not_refused_as_cpu_tensors():
                                        "a CPU tensor Python made: Expected all tensors to be on the same device",
                                        "the gradient through DTensor's backward: cuda:0 64.0"], \
         out.stdout + out.stderr[-3000:]
+
+
+def test_the_simulation_answers_as_an_h200_did(tmp_path):
+    """tests/simgpu/versus_cuda.py's probes (refusals, autocast dtypes, memory, host syncs, NCCL, lazy init) under
+    one simulated GPU, held to what an H200 answered to the same probes (results/simgpu_vs_cuda.json, 2026-11-29).
+    The simulation before this test differed in 7 answers (an index on the other device, the sum under autocast, nonzero's
+    and a mask's host syncs, DDP's buckets with gradient_as_bucket_view); the controls below change one answer of
+    each kind and must be caught."""
+    import versus_cuda
+    gpu = json.loads((ROOT / "results" / "simgpu_vs_cuda.json").read_text())
+    assert not gpu["simulated"] and gpu["hardware"] and gpu["date"]
+    out = subprocess.run([sys.executable, str(SIMGPU / "versus_cuda.py"), "--out", str(tmp_path / "sim.json")],
+                         capture_output=True, text=True, timeout=180, cwd=ROOT, env=simulated(1))
+    assert out.returncode == 0, out.stderr[-3000:]
+    sim = json.loads((tmp_path / "sim.json").read_text())
+    assert sim["simulated"]
+    assert versus_cuda.problems(gpu, sim) == []
+    # controls: one answer of each kind changed, each must be reported
+    for path, value in [(("refusals", "cuda tensor indexed by cpu indices"), {"error": "RuntimeError",
+                                                                              "message": "Expected all tensors"}),
+                        (("autocast dtypes", "torch.bfloat16", "sum of matmul"), "torch.bfloat16"),
+                        (("host syncs", "torch.nonzero(t)"), {"ok": 0}),
+                        (("memory", "MLP 512-1024-10, SGD momentum, batch 256", "step 0 after step"), 4812288 + 512),
+                        (("nccl", "DDP gradient_as_bucket_view=True"), {"parameters B": 2142248, "after wrapping": 0,
+                                                                        "after backward": 2142720}),
+                        (("is_initialized after", "device_count()"), True)]:
+        changed = json.loads(json.dumps(sim))
+        where = changed
+        for key in path[:-1]:
+            where = where[key]
+        where[path[-1]] = value
+        assert versus_cuda.problems(gpu, changed), path

@@ -29,6 +29,11 @@ CUDA's message past TUTORIAL_SIMGPU_MEMORY bytes (default 80 GiB; set it low and
 CUDA-only kernels: SyncBatchNorm's five are computed as CUDA computes them (SYNC_BN_KERNELS), so its statistics and
 collectives run on a simulated full node.
 
+Held to a real GPU: tests/simgpu/versus_cuda.py asks the same questions of CUDA and of the simulation (what is
+refused and with which words, autocast's dtypes, memory_allocated at each phase of a training step, host syncs, lazy
+initialisation, NCCL's refusals, DDP's buckets); an H200's answers (results/simgpu_vs_cuda.json, 2026-11-29) and
+the simulation's must agree, apart from what this docstring says is left out (test_simulated_gpus).
+
 Every process group made is recorded, one JSON line per rank in $TUTORIAL_SIMGPU_RECORD: the backend asked and the
 device, the GPUs the rank sees, its environment's GPU and NCCL variables, and whether it was refused. The lane
 (tests/simgpu/lane.py) checks the records against README's allocation table.
@@ -241,6 +246,7 @@ _ooms: dict = {}
 # plain CPU tensors that no op of the simulation sees. A hook on each counts its gradient as autograd accumulates it
 # (so a peak in backward holds them), and a memory query looks again (_sweep: a gradient assigned or swapped in).
 _leaves: dict = {}
+_bucketed: dict = {}  # id of a parameter whose gradient will be a view of DDP's bucket -> the bucket's count
 
 
 def _rounded(nbytes: int, unit: int = BLOCK) -> int:
@@ -319,6 +325,7 @@ def _grad_made(leaf) -> None:
         grad = torch._C.TensorBase.grad.__get__(leaf)
     if grad is not None and type(leaf) is SimCuda:
         _track(grad, on(leaf))
+        _freed(_bucketed.pop(id(leaf), None))  # a view of DDP's bucket: the bucket is counted through it now
 
 
 _SAVED: dict = {}  # autograd node class -> the names of its saved values
@@ -368,6 +375,7 @@ def _sweep() -> None:
             grad = torch._C.TensorBase.grad.__get__(leaf) if type(leaf) is SimCuda and leaf.is_leaf else None
             if grad is not None:
                 _tag(grad, on(leaf)) if type(grad) is not SimCuda else _track(grad, on(grad))
+                _freed(_bucketed.pop(id(leaf), None))
         totals: dict = {}
         for entry in list(_live.values()):
             owner = entry[2]()
@@ -441,8 +449,9 @@ def memory_stats(device=None) -> dict:
 
 def _patch_ddp(torch) -> None:
     """DDP's reducer allocates its buckets below Python (as many bytes as the parameters that need gradients), on
-    the parameters' GPU: counted as long as the DDP module lives. With gradient_as_bucket_view the gradients are the
-    buckets, counted when found (_sweep)."""
+    the parameters' GPU, when it is made: counted as long as the DDP module lives. With gradient_as_bucket_view the
+    gradients become views of the buckets: then the buckets are counted through the gradients once found (_sweep),
+    in place of the count made at wrapping (an H200 gave the same bytes at both points, 2026-11-29)."""
     from torch.nn.parallel import DistributedDataParallel
 
     init = DistributedDataParallel.__init__
@@ -451,9 +460,11 @@ def _patch_ddp(torch) -> None:
     def init_(self, *args, **kwargs):
         init(self, *args, **kwargs)
         params = [p for p in self.module.parameters() if p.requires_grad and type(p) is SimCuda]
-        if params and not self.gradient_as_bucket_view:
-            _allocate(("ddp buckets", id(self)), on(params[0]), sum(p.numel() * p.element_size() for p in params),
-                      self)
+        if params:
+            key = ("ddp buckets", id(self))
+            _allocate(key, on(params[0]), sum(p.numel() * p.element_size() for p in params), self)
+            if self.gradient_as_bucket_view:
+                _bucketed.update((id(p), key) for p in params)
 
     DistributedDataParallel.__init__ = init_
 
@@ -594,7 +605,11 @@ SimCuda = _Tensor = _Parameter = None  # set by install(), once torch is importe
 # Host syncs: every read of a simulated CUDA tensor's values on the host (item, tolist, bool, int, float, printing,
 # a blocking copy to the CPU), counted per caller ("module:function:line", the first frame outside torch and this
 # file). On a GPU each one waits for every kernel queued before it; the course reads the loss only at log steps.
-SYNC_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__format__", "__repr__", "__str__"}
+# Printing a tensor counts once here; CUDA's sync debug mode counted 21 syncs for printing 6 values on an H200
+# (the formatter reads the tensor piece by piece), and a boolean mask as an index counts as nonzero does.
+SYNC_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__format__", "__repr__", "__str__",
+              # an output sized by the values: the host waits to learn the size (as CUDA's sync debug mode reports)
+              "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"}
 SYNCS: dict = {}
 
 
@@ -758,6 +773,24 @@ SYNC_BN_KERNELS = {"batch_norm_stats": _bn_stats, "batch_norm_gather_stats_with_
                    "batch_norm_backward_elemt": _bn_backward_elemt}
 
 
+# CUDA's autocast runs these in fp32 (torch's list of "CUDA ops that can autocast to float32"); CPU autocast's list
+# lacks some (sum: an H200 gave fp32 for the sum of a bf16 matmul, CPU autocast bf16, 2026-11-29). Applied only
+# inside an autocast asked for "cuda".
+CUDA_FP32_OPS = {"__pow__", "__rdiv__", "__rpow__", "__rtruediv__", "acos", "asin", "binary_cross_entropy_with_logits",
+                 "cosh", "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cumprod", "cumsum",
+                 "dist", "erfinv", "exp", "expm1", "group_norm", "hinge_embedding_loss", "kl_div", "l1_loss",
+                 "layer_norm", "log", "log_softmax", "log10", "log1p", "log2", "margin_ranking_loss", "mse_loss",
+                 "multilabel_margin_loss", "multi_margin_loss", "nll_loss", "norm", "normalize", "pdist",
+                 "poisson_nll_loss", "pow", "prod", "reciprocal", "rsqrt", "sinh", "smooth_l1_loss",
+                 "soft_margin_loss", "softmax", "softmin", "softplus", "sum", "renorm", "tan", "triplet_margin_loss"}
+_cuda_autocast = [0]  # how many autocast("cuda") contexts are open
+
+
+def _to_fp32(t):
+    import torch
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def _mode_class(torch):
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_flatten, tree_map_only
@@ -775,6 +808,9 @@ def _mode_class(torch):
                 return moved
             if name in SYNC_READS and args and type(args[0]) is SimCuda:
                 _count_sync(name)
+            if name == "__getitem__" and len(args) == 2 and type(args[0]) is SimCuda and any(
+                    type(t) is SimCuda and t.dtype == torch.bool for t in tree_flatten(args[1])[0]):
+                _count_sync("boolean mask")
             if name == "pin_memory" and args:
                 if type(args[0]) is SimCuda:  # what a loader's pin_memory does to a batch already on the GPU
                     kind = torch.Tensor.type(args[0].as_subclass(torch.Tensor)).replace("torch.", "torch.cuda.", 1)
@@ -802,6 +838,11 @@ def _mode_class(torch):
             flat, _ = tree_flatten((args, kwargs))
             cuda = {on(t) for t in flat if type(t) is SimCuda}
             cpu = any(type(t) is not SimCuda and getattr(t, "_sim_cpu", False) and t.dim() > 0 for t in flat)
+            if name in ("__getitem__", "__setitem__") and cuda and args and type(args[0]) is not SimCuda:
+                raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor "
+                                   "(cpu) (simulated GPUs)")
+            if name in ("__getitem__", "__setitem__") and type(args[0]) is SimCuda and len(cuda) == 1:
+                cpu = False  # CUDA indexes a GPU tensor with CPU indices (it copies them over)
             if name not in METADATA and (len(cuda) > 1 or (cuda and cpu)):
                 seen = [f"cuda:{i}" for i in sorted(cuda)] + (["cpu"] if cpu else [])
                 raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
@@ -813,6 +854,8 @@ def _mode_class(torch):
             if name.endswith("_") and not name.endswith("__") and args and isinstance(args[0], torch.Tensor):
                 index = on(args[0])
             with torch._C.DisableTorchFunction():
+                if name in CUDA_FP32_OPS and _cuda_autocast[0] and torch.is_autocast_enabled("cpu"):
+                    args, kwargs = tree_map_only(torch.Tensor, _to_fp32, (args, kwargs))
                 out = func(*args, **kwargs)
             if index is not None and torch.is_grad_enabled():
                 _track_saved(out, flat, index)
@@ -886,9 +929,23 @@ def _patch_autocast(torch) -> None:
 
     @functools.wraps(init)
     def init_(self, device_type, *args, **kwargs):
-        init(self, "cpu" if device_type == "cuda" and physical() else device_type, *args, **kwargs)
+        self._sim_cuda = device_type == "cuda" and bool(physical())
+        init(self, "cpu" if self._sim_cuda else device_type, *args, **kwargs)
+
+    enter, exit_ = autocast_mode.autocast.__enter__, autocast_mode.autocast.__exit__
+
+    @functools.wraps(enter)
+    def enter_(self):
+        _cuda_autocast[0] += getattr(self, "_sim_cuda", False)
+        return enter(self)
+
+    @functools.wraps(exit_)
+    def exit__(self, *exc):
+        _cuda_autocast[0] -= getattr(self, "_sim_cuda", False)
+        return exit_(self, *exc)
 
     autocast_mode.autocast.__init__ = init_
+    autocast_mode.autocast.__enter__, autocast_mode.autocast.__exit__ = enter_, exit__
     enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
 
     def is_autocast_enabled(device_type=None):
