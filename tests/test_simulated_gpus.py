@@ -633,3 +633,22 @@ def test_the_simulation_answers_as_an_h200_did(tmp_path):
             where = where[key]
         where[path[-1]] = value
         assert versus_cuda.problems(gpu, changed), path
+
+
+def test_deepspeed_computes_in_bf16_on_a_simulated_gpu(tmp_path):
+    """DeepSpeed's engine turns off an autocast("cuda") opened around it unless its own torch_autocast is declared:
+    on an H200 (2026-11-29) its "bf16" run computed in fp32. On the CPU (test_matrix) the engine leaves CPU autocast
+    alone, so only a (simulated) GPU shows it. Control: the trainer's earlier config (no torch_autocast) observed
+    ['float32'] here."""
+    out = python(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from observe import run_observed
+        from tutorial import train_deepspeed
+        from tutorial.core.config import TrainConfig
+        cfg = TrainConfig.preset("workshop-cpu", precision="bf16", max_steps=1, out={str(tmp_path)!r})
+        m = run_observed(train_deepspeed.main, cfg)
+        print("observed", m["device"], m["observed"]["dtypes"])
+    """, gpus=1, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "observed cuda:0 ['bfloat16']" in out.stdout, out.stdout[-2000:]
