@@ -75,7 +75,8 @@ def build(cfg: TrainConfig, device: torch.device):
     ds_config = {"train_micro_batch_size_per_gpu": cfg.batch_size,
                  "gradient_accumulation_steps": cfg.grad_accum,
                  "zero_optimization": {"stage": cfg.zero_stage}, "gradient_clipping": cfg.clip_grad,
-                 "fp16": {"enabled": cfg.precision == "fp16", "auto_cast": True},
+                 # auto_cast halves the inputs whenever it is set, fp16 on or not
+                 "fp16": {"enabled": cfg.precision == "fp16", "auto_cast": cfg.precision == "fp16"},
                  "torch_autocast": {"enabled": cfg.precision == "bf16", "dtype": "bfloat16",
                                     "lower_precision_safe_modules": []},
                  "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}
