@@ -24,6 +24,9 @@ import lane  # noqa: E402  (the lane's checker, a plain module in tests/simgpu)
 def simulated(gpus: int, record=None, **extra) -> dict:
     e = env(PYTHONPATH=str(SIMGPU), TUTORIAL_SIMGPU=str(gpus), **extra)
     e.pop("CUDA_VISIBLE_DEVICES", None)
+    # a GPU node names no DeepSpeed accelerator (the package picks cuda there); a cpu left in this process's
+    # environment by an earlier test would make DeepSpeed run as on a CPU
+    e.pop("DS_ACCELERATOR", None)
     e.update(extra)
     if record is not None:
         e["TUTORIAL_SIMGPU_RECORD"] = str(record)
