@@ -66,12 +66,11 @@ def build(cfg: TrainConfig, device: torch.device):
     lr = scaled_lr(cfg, dist.get_world_size())  # DDP: a world_size times larger batch, a larger lr
     optimizer = build_optimizer(model, cfg, lr)
     # DeepSpeed: the engine does what the other trainers spell out, configured from the same cfg.
-    # fp16 is its loss-scaled mode: the module halved, and the inputs too (auto_cast). bf16 is
-    # autocast, as in every trainer, but declared to the engine: its forward turns a CUDA autocast
-    # of ours off unless its own torch_autocast is on (an H200 ran "bf16" in fp32 so, 2026-11-29),
-    # with no module's gradients reduced in bf16 (DDP reduces in fp32). Its own "bf16" mode keeps
-    # bf16 weights beside fp32 BatchNorm statistics, which the CPU kernel refuses. Untested
-    # optimizer: our SGD; RunLog prints, not it.
+    # fp16 is its loss-scaled mode (module and inputs halved). bf16 is autocast, as in every
+    # trainer, declared to the engine: else its forward turns a CUDA autocast off (an H200 ran
+    # "bf16" in fp32 so); gradients still reduced in fp32, as DDP. (Its own "bf16" mode keeps bf16
+    # weights beside fp32 BatchNorm statistics, which the CPU kernel refuses.) Untested optimizer:
+    # our SGD; RunLog prints, not it.
     ds_config = {"train_micro_batch_size_per_gpu": cfg.batch_size,
                  "gradient_accumulation_steps": cfg.grad_accum,
                  "zero_optimization": {"stage": cfg.zero_stage}, "gradient_clipping": cfg.clip_grad,

@@ -245,8 +245,8 @@ def problems(gpu: dict, sim: dict) -> list[str]:
                 found.append(f"memory {probe} {phase}: GPU {value}, simulated {ours}")
     for name, answer in gpu["nccl"].items():
         ours = sim["nccl"].get(name)
-        if not (answer == ours or isinstance(answer, dict) and ("error" in answer or "ok" in answer)
-                and same_refusal(answer, ours or {})):
+        outcome = isinstance(answer, dict) and ("error" in answer or "ok" in answer)  # else a value or bytes
+        if not (same_refusal(answer, ours or {}) if outcome else answer == ours):
             found.append(f"nccl {name}: GPU {answer}, simulated {ours}")
     return found
 
