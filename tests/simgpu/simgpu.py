@@ -109,6 +109,9 @@ def lazy_init() -> None:
         raise RuntimeError(BAD_FORK)
     if not _init["done"] and physical():
         _init["done"] = True
+        if not _following[0]:  # GPUs made visible after torch's import (the variable set in the process): follow now
+            _following[0] = True
+            enter_mode()
 
 
 def _after_fork_in_child() -> None:
@@ -1123,13 +1126,19 @@ def _transfer(torch, name, args, kwargs):
 
 
 _mode = None
+# Whether this process follows tensors through the mode. A process that sees no GPU when torch is imported (a rank the
+# allocation moved to the CPU: CUDA_VISIBLE_DEVICES= ) can make no GPU tensor, so it runs torch as it is: the mode
+# costs every operation a Python call (a 4-rank torchrun of train_2d took 50 s of CPU under it, 35 without,
+# 2026-11-30). torch.cuda's answers and the process-group checks are patches, not the mode: they hold either way.
+# Should its GPUs appear later (the variable set before the first CUDA call), lazy_init enters the mode then.
+_following = [False]
 
 
 def enter_mode() -> None:
     """The mode is per thread (torch keeps its stack per thread): every thread this process starts enters it."""
     import torch
 
-    if not any(type(m).__name__ == "Mode" and type(m).__module__ == __name__
+    if _following[0] and not any(type(m).__name__ == "Mode" and type(m).__module__ == __name__
                for m in torch.overrides._get_current_function_mode_stack()):
         _mode.__enter__()
 
@@ -1324,6 +1333,7 @@ def install() -> None:
     for name, kernel in SYNC_BN_KERNELS.items():
         setattr(torch, name, kernel)
     _patch_threads()
+    _following[0] = bool(physical())
     enter_mode()
 
 
