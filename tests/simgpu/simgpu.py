@@ -794,6 +794,21 @@ def _to_fp32(t):
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
+def _tensors(obj, tensor_type) -> list:
+    """The tensors in an operation's arguments (lists, tuples and dicts, nested): what the mode checks, found without
+    pytree's general flattening, which took a third of the mode's time (2026-11-30)."""
+    found, todo = [], [obj]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, tensor_type):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+    return found
+
+
 def _mode_class(torch):
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_flatten, tree_map_only
@@ -838,7 +853,7 @@ def _mode_class(torch):
                 elif type(args[0]) is SimCuda:
                     args[0].__class__ = torch.nn.Parameter if getattr(args[0], "_is_param", False) else torch.Tensor
                 return None
-            flat, _ = tree_flatten((args, kwargs))
+            flat = _tensors((args, kwargs), torch.Tensor)
             cuda = {on(t) for t in flat if type(t) is SimCuda}
             cpu = any(type(t) is not SimCuda and getattr(t, "_sim_cpu", False) and t.dim() > 0 for t in flat)
             if name in ("__getitem__", "__setitem__") and cuda and args and type(args[0]) is not SimCuda:
