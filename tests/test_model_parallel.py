@@ -155,7 +155,7 @@ def test_trainers_run_under_torchrun_and_refuse_bad_options(tmp_path):
     run(torchrun_cmd(2, "pp", "--steps", "2", "--micro-batches", "2", "--out", tmp_path / "pp"))
     assert (tmp_path / "pp" / "model.pt").exists()
     bad = run(torchrun_cmd(2, "pp", "--batch-size", "10", "--micro-batches", "4"), check=False)
-    assert bad.returncode != 0 and "batch-size 10 is not a multiple of micro-batches 4" in bad.stderr
+    assert bad.returncode != 0 and "batch-size 10 does not split into 4 equal micro-batches" in bad.stderr
     bad = run(train_cmd("tp", "--schedule", "zigzag"), check=False)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: schedule 'zigzag' is not one of: gpipe, 1f1b"
 
@@ -179,3 +179,39 @@ def test_the_one_process_trainer_runs_and_learns(tmp_path):
     assert (tmp_path / "gpt" / "model.pt").exists()
     bad = run(train_cmd("gpt", "--tp", "4"), check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --tp 4 is not used by train_gpt")
+
+
+def test_one_layout_check_words_every_refusal(monkeypatch):
+    """core.layout says why a cut does not fit, in the same words wherever it is tried: the trainers' setup (before any
+    process group), pipeline_stage and 12's planner (test_exercises_12 holds refuse's whole sentence)."""
+    from tutorial import train_2d, train_pp, train_tp
+    from tutorial.bench.plan import refuse
+    from tutorial.core.config import ConfigError
+    from tutorial.core.gpt import GPT, GPTConfig, pipeline_stage
+    from tutorial.core.layout import Layout, layout_problems
+
+    assert layout_problems(Layout(dp=2, tp=3, pp=2), 4, 3, context=32, vocabulary=48, batch=9, micro_batches=3,
+                           ranks=10, job=(1, 8)) == [
+        "10 ranks do not split into groups of tp x pp = 3 x 2",
+        "dp x tp x pp = 2 x 3 x 2 = 12 ranks, but the job has 1 x 8 = 8 GPUs",
+        "4 heads do not split into 3 equal parts", "32 positions of the context do not split into 3 equal parts",
+        "3 layers do not split into 2 equal parts", "batch-size 9 does not split into 2 equal data-parallel parts",
+        "batch-size 9 does not split into 3 equal micro-batches"]
+    assert layout_problems(Layout(dp=2, tp=2, pp=2), 4, 4, context=32, vocabulary=48, batch=8, micro_batches=2,
+                           ranks=8, job=(2, 4)) == []
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="3", LOCAL_WORLD_SIZE="3",
+                            OMP_NUM_THREADS="1").items():
+        monkeypatch.setenv(name, value)  # rank 0 of 3 under torchrun: setup refuses before it waits for the others
+    for trainer, cfg, said in [
+            (train_tp, ParallelConfig(), "4 heads do not split into 3 equal parts; 32 positions of the context do not "
+                                         "split into 3 equal parts"),
+            (train_tp, ParallelConfig(sequence_parallel=False), "4 heads do not split into 3 equal parts"),
+            (train_pp, ParallelConfig(batch_size=10, micro_batches=4),
+             "2 layers do not split into 3 equal parts; batch-size 10 does not split into 4 equal micro-batches"),
+            (train_2d, ParallelConfig(tp=2), "3 ranks do not split into groups of tp x pp = 2 x 1")]:
+        with pytest.raises(ConfigError) as refused:
+            trainer.setup(cfg)
+        assert str(refused.value) == said, trainer.__name__
+    with pytest.raises(ConfigError, match=r"^2 layers do not split into 3 equal parts$"):
+        pipeline_stage(GPT(GPTConfig(n_layers=2)), 0, 3)
+    assert refuse(GPTConfig(n_layers=2), Layout(pp=3), 1, 3, 80e9) == ["2 layers do not split into 3 equal parts"]

@@ -26,10 +26,10 @@ from torch.distributed.fsdp import fully_shard  # 2D
 from torch.distributed.tensor.debug import CommDebugMode  # TP: counts DTensor's collectives
 from torch.distributed.tensor.parallel import parallelize_module  # 2D: the plan is train_tp's
 
-from .core.config import ConfigError  # TP
 from .core.distributed import init_process_group, pick_device, teardown, world_from_env  # TP
 from .core.corpus import CharCorpus, batches
 from .core.gpt import GPT, loss_fn, parameter_bytes
+from .core.layout import Layout, check_layout  # TP: the checks 12's planner makes too
 from .core.parallel_config import ParallelConfig, parse_parallel_args, save_run
 from .core.process import run_main
 # 2D: train_tp's plan, evaluation and gathering, unchanged
@@ -43,15 +43,11 @@ def setup(cfg: ParallelConfig):
     # TP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines; one GPU per process
     world = world_from_env()
     device = pick_device(world.local_rank, world.local_world_size)  # TP
-    # 2D: a whole mesh, and equal halves of the batch
-    if world.world_size % cfg.tp or cfg.batch_size % (world.world_size // cfg.tp):
-        raise ConfigError(f"{world.world_size} ranks cannot form a (dp, tp={cfg.tp}) mesh "  # 2D
-                          f"with batch-size {cfg.batch_size} split over dp: tp must divide "
-                          "the ranks and dp the batch")
-    dp = world.world_size // cfg.tp  # 2D
-    if cfg.n_heads % cfg.tp or cfg.context % cfg.tp:  # 2D: TP over tp ranks, not all of them
-        raise ConfigError(f"n-heads {cfg.n_heads} and context {cfg.context} must be "  # 2D
-                          f"multiples of the {cfg.tp} tensor-parallel ranks")
+    # 2D: a whole mesh, equal parts of the batch over dp, TP over tp ranks (not all of them)
+    dp = max(world.world_size // cfg.tp, 1)
+    check_layout(Layout(dp=dp, tp=cfg.tp), cfg.n_heads, cfg.n_layers,  # 2D
+                 context=cfg.context if cfg.sequence_parallel else None,
+                 batch=cfg.batch_size, ranks=world.world_size)
     created = init_process_group(world, device, cfg.timeout, cfg.backend)  # TP: nccl or gloo
     # 2D: rank = dp_index x tp + tp_index: consecutive ranks (the same node's GPUs) form a
     # tensor-parallel group

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist  # PP: the loss goes from the last stage to all
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # PP
 
-from .core.config import ConfigError  # PP
 from .core.distributed import init_process_group, pick_device, teardown, world_from_env  # PP
 from .core.corpus import CharCorpus, batches
 from .core.gpt import GPT, loss_fn, parameter_bytes
 from .core.gpt import pipeline_stage  # PP: cuts the model into stages
+from .core.layout import Layout, check_layout  # PP: the checks 12's planner makes too
 from .core.parallel_config import ParallelConfig, parse_parallel_args, save_run
 from .core.process import run_main
 
@@ -38,12 +38,8 @@ def setup(cfg: ParallelConfig):
     """The device."""
     world = world_from_env()  # PP: rank, local_rank, world_size from torchrun, MPI, Slurm, engines
     # PP: every micro-batch the same shape, as the stages' buffers expect; equal stages
-    if cfg.batch_size % cfg.micro_batches:
-        raise ConfigError(f"batch-size {cfg.batch_size} is not a multiple of "  # PP
-                          f"micro-batches {cfg.micro_batches}")
-    if cfg.n_layers % world.world_size:  # PP
-        raise ConfigError(f"n-layers {cfg.n_layers} cannot be cut into "  # PP
-                          f"{world.world_size} equal stages")
+    check_layout(Layout(pp=world.world_size), cfg.n_heads, cfg.n_layers,  # PP
+                 batch=cfg.batch_size, micro_batches=cfg.micro_batches)
     device = pick_device(world.local_rank, world.local_world_size)  # PP: one GPU per process
     created = init_process_group(world, device, cfg.timeout, cfg.backend)  # PP: nccl or gloo
     return device, world, created  # PP

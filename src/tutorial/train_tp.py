@@ -28,10 +28,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                PrepareModuleOutput, RowwiseParallel,  # TP
                                                SequenceParallel, parallelize_module)  # TP
 
-from .core.config import ConfigError  # TP
 from .core.distributed import init_process_group, pick_device, teardown, world_from_env  # TP
 from .core.corpus import CharCorpus, batches
 from .core.gpt import GPT, loss_fn, parameter_bytes
+from .core.layout import Layout, check_layout  # TP: the checks 12's planner makes too
 from .core.parallel_config import ParallelConfig, parse_parallel_args, save_run
 from .core.process import run_main
 
@@ -43,10 +43,9 @@ def setup(cfg: ParallelConfig):
     # TP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines; one GPU per process
     world = world_from_env()
     device = pick_device(world.local_rank, world.local_world_size)  # TP
-    # TP: whole heads and equal sequence slices per rank
-    if cfg.n_heads % world.world_size or cfg.context % world.world_size:
-        raise ConfigError(f"n-heads {cfg.n_heads} and context {cfg.context} must be "  # TP
-                          f"multiples of the {world.world_size} tensor-parallel ranks")
+    # TP: whole heads and, with sequence parallel, equal slices of the sequence per rank
+    check_layout(Layout(tp=world.world_size), cfg.n_heads, cfg.n_layers,
+                 context=cfg.context if cfg.sequence_parallel else None)
     created = init_process_group(world, device, cfg.timeout, cfg.backend)  # TP: nccl or gloo
     # TP: one mesh dimension, all ranks
     mesh = init_device_mesh(device.type, (world.world_size,), mesh_dim_names=("tp",))

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ConfigError
+from .layout import Layout, check_layout
 
 
 @dataclass
@@ -145,8 +146,9 @@ def pipeline_stage(model: GPT, stage: int, stages: int) -> GPT:
     """Cut `model` in place into pipeline stage `stage` of `stages`: consecutive blocks, n_layers / stages each;
     stage 0 keeps the embedding, the last keeps the final norm and the head."""
     n = model.cfg.n_layers
-    if stages < 1 or n % stages:
-        raise ConfigError(f"{n} layers cannot be cut into {stages} equal pipeline stages: use a divisor of {n}")
+    if stages < 1:
+        raise ConfigError(f"stages must be at least 1, got {stages}")
+    check_layout(Layout(pp=stages), model.cfg.n_heads, n)
     per = n // stages
     for i in range(n):
         if not stage * per <= i < (stage + 1) * per:

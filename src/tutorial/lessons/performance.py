@@ -1,101 +1,36 @@
 """Infrastructure, measurements and checks for 12_performance_clinic; the profiling itself is typed there.
 
-Here: the memory planner (what a rank holds under DDP, ZeRO/FSDP2, TP, PP and activation checkpointing, by
-arithmetic) and the runs that measure the same bytes on the engines, the collective counter (CommDebugMode with the
-bytes of each call), the per-rank time breakdown of a profile and the merge of the ranks' traces into one file
-Perfetto opens, the planted performance bugs, the layout check of a large job, and the exercises' checkers with
-their solutions (tests/test_exercises_12.py checks each checker against its solution, its skeleton and other
-answers).
+Here: the runs that measure on the engines what the memory planner (bench.plan) predicts, the collective counter
+(CommDebugMode with the bytes of each call), the planted performance bugs, the dry run of a large job's layout on
+torch's fake process group, and the exercises' checkers with their solutions (tests/test_exercises_12.py checks each
+checker against its solution, its skeleton and other answers). The tools the notebook calls through this module are
+elsewhere, for any notebook or benchmark: the planner in bench.plan, the time breakdown of a profile and the merge of
+the ranks' traces in bench.traces, the layout and its checks in core.layout.
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..bench.plan import (FLOAT, activation_bytes, forward_collectives, largest_micro_batch,  # noqa: F401
+                          parameter_counts, plan_memory, refuse, stage_parameters, zero_states)
+from ..bench.traces import breakdown, merge_traces, slowest_rank  # noqa: F401 (12 calls them as lesson.*)
 from ..core.corpus import CharCorpus, batches
 from ..core.gpt import GPT, GPTConfig, loss_fn
+from ..core.layout import Layout
 from .ranks import first_error, on_every_rank
 
 # FSDP2 warns that the GPT returns a view (its head's matmul output); the step never writes into it in place.
 warnings.filterwarnings("ignore", r"FSDP2-wrapped module .* returned a view tensor", UserWarning)
 
-FLOAT = 4  # bytes of an fp32 value: weights, gradients, AdamW's two moments and the activations here
 STRATEGIES = ("ddp", "ddp+checkpointing", "fsdp2", "tp", "pp")
 
 
 # --------------------------------------------------------------------------------------------------- the planner
-@dataclass(frozen=True)
-class Layout:
-    """How a job is cut: dp data-parallel replicas (zero: 0 = DDP, 1/2/3 = ZeRO stage, 3 is FSDP2), tp ranks per
-    tensor-parallel group, pp pipeline stages; checkpointing = each block recomputed in backward."""
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    checkpointing: bool = False
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
-
-
-def parameter_counts(cfg: GPTConfig) -> dict:
-    """The GPT's parameters by where they live: the embedding, one block (split: the q/k/v/out/fc/proj weights and
-    the column-wise biases tensor parallel cuts; whole: the norms and the row-wise biases it keeps), the final norm
-    and the head (no bias; cut column-wise under TP)."""
-    C, H = cfg.d_model, cfg.mlp_ratio * cfg.d_model
-    split = 4 * C * C + 3 * C + 2 * C * H + H  # q, k, v, out weights; q, k, v biases; fc, proj weights; fc bias
-    whole = 4 * C + C + C  # two LayerNorms (weight, bias); out's and proj's biases
-    return dict(embed=(cfg.vocab_size + cfg.context) * C, block_split=split, block_whole=whole, norm=2 * C,
-                head=cfg.vocab_size * C)
-
-
-def stage_parameters(cfg: GPTConfig, layout: Layout, stage: int = 0) -> int:
-    """Parameters one rank of pipeline stage `stage` holds before data-parallel sharding: its blocks (their cut
-    part / tp), the embedding on the first stage, the final norm and the head (/ tp) on the last."""
-    n = parameter_counts(cfg)
-    blocks = cfg.n_layers // layout.pp
-    total = blocks * (n["block_split"] // layout.tp + n["block_whole"])
-    if stage == 0:
-        total += n["embed"]
-    if stage == layout.pp - 1:
-        total += n["norm"] + n["head"] // layout.tp
-    return total
-
-
-def activation_bytes(cfg: GPTConfig, layout: Layout, micro_batch: int, stage: int = 0) -> int:
-    """What one rank's forward leaves for its backward (fp32), counted tensor by tensor for core.gpt on CPU:
-    per block the LayerNorms' inputs and outputs (4 x BTC, whole under TP), q, k, v and attention's output
-    (4 x BTC / tp), the MLP's hidden pre- and post-GELU (8 x BTC / tp), the norms' mean and 1/std (4 x BT) and
-    attention's log-sum-exp (BHT / tp); checkpointing keeps only each block's input (BTC). The last stage adds the
-    final norm (2 x BTC + 2 x BT), the log-softmax of the logits (BTV), the loss; the first the positions (int64);
-    a stage before the last its output (BTC); a stage after the first received its input (one BTC less)."""
-    B, T, C, V = micro_batch, cfg.context, cfg.d_model, cfg.vocab_size
-    tp = layout.tp
-    if layout.checkpointing:
-        block = B * T * C
-    else:
-        block = 4 * B * T * C + 12 * B * T * C // tp + 4 * B * T + B * cfg.n_heads * T // tp
-    values = cfg.n_layers // layout.pp * block
-    extra = 0
-    if stage == layout.pp - 1:
-        values += 2 * B * T * C + 2 * B * T + B * T * V
-        extra += FLOAT  # the loss
-    if stage < layout.pp - 1:
-        values += B * T * C  # the stage's output: sent on, and kept for its own backward
-    if stage > 0:
-        values -= B * T * C  # its first block's input arrived from the previous stage before the forward
-    if stage == 0:
-        extra += 8 * T  # the position indices, int64
-    return values * FLOAT + extra
-
-
+# bench.plan holds the planner; the learner completes its per-rank states (exercise 1) and the checks compare.
 def states_per_rank(n_params: int, zero: int, dp: int) -> dict:
     """Bytes of parameters, gradients and optimizer state one rank holds for n_params fp32 parameters trained with
     AdamW over dp data-parallel ranks: zero=0 DDP (every rank all of it), 1 ZeRO-1, 2 ZeRO-2, 3 ZeRO-3/FSDP2."""
@@ -104,37 +39,7 @@ def states_per_rank(n_params: int, zero: int, dp: int) -> dict:
     return dict(parameters=parameters, gradients=gradients, optimizer=0)
 
 
-def solution_states_per_rank(n_params: int, zero: int, dp: int) -> dict:
-    parameters = n_params * FLOAT // (dp if zero >= 3 else 1)  # ZeRO-3/FSDP: each rank keeps 1/dp of the weights
-    gradients = n_params * FLOAT // (dp if zero >= 2 else 1)  # ZeRO-2: reduce-scatter, keep your 1/dp
-    optimizer = 2 * n_params * FLOAT // (dp if zero >= 1 else 1)  # AdamW: exp_avg and exp_avg_sq per parameter
-    return dict(parameters=parameters, gradients=gradients, optimizer=optimizer)
-
-
-def plan_memory(cfg: GPTConfig, layout: Layout, micro_batch: int, stage: int = 0, states=None) -> dict:
-    """Bytes per rank of pipeline stage `stage`: parameters, gradients, optimizer state (from `states`, the
-    planner's part the learner completes: states_per_rank by default) and activations; FSDP2 also keeps the
-    root module's gathered weights (embedding, final norm, head: not resharded after forward, backward needs them
-    at once) until backward."""
-    states = states or states_per_rank
-    n = stage_parameters(cfg, layout, stage)
-    plan = dict(states(n, layout.zero, layout.dp))
-    plan["activations"] = activation_bytes(cfg, layout, micro_batch, stage)
-    if layout.zero >= 3 and layout.dp > 1 and layout.pp == 1:
-        counts = parameter_counts(cfg)
-        plan["activations"] += (counts["embed"] + counts["norm"] + counts["head"] // layout.tp) * FLOAT
-    plan["total"] = sum(plan.values())
-    return plan
-
-
-def largest_micro_batch(cfg: GPTConfig, layout: Layout, budget: int, states=None, limit: int = 1 << 16) -> int:
-    """The most sequences per micro-batch whose planned total fits in `budget` bytes on every stage (0: none)."""
-    best = 0
-    for b in range(1, limit + 1):
-        if any(plan_memory(cfg, layout, b, s, states)["total"] > budget for s in range(layout.pp)):
-            break
-        best = b
-    return best
+solution_states_per_rank = zero_states  # exercise 1's answer is the planner's own arithmetic
 
 
 # ---------------------------------------------------------------------------------------------- memory, measured
@@ -366,86 +271,7 @@ def all_reduce_bandwidth(nbytes: int = 4 << 20, repeats: int = 5) -> float:
 
 
 # ------------------------------------------------------------------------------------------------------ traces
-def _union(intervals) -> list:
-    merged = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
-def _length(intervals) -> float:
-    return sum(end - start for start, end in intervals)
-
-
-def _intersect(a, b) -> list:
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if start < end:
-            out.append([start, end])
-        i, j = (i + 1, j) if a[i][1] < b[j][1] else (i, j + 1)
-    return out
-
-
-def breakdown(prof) -> dict:
-    """A rank's time per profiled step, from the profiler's own events (prof.events(): name, thread, time range):
-    communication = the collectives (gloo:/nccl: and c10d ops, on whatever thread runs them), compute = the ops the
-    step's thread ran outside them, idle = the rest of the step; overlap = the share of communication during which
-    the step's thread computed. Milliseconds, the mean over the profiled steps."""
-    events = list(prof.events())
-    steps = [e for e in events if e.name.startswith("ProfilerStep")]
-    main = steps[0].thread
-    comm_names = ("gloo:", "nccl:", "c10d::", "record_param_comms")
-    comm = _union((e.time_range.start, e.time_range.end) for e in events if e.name.startswith(comm_names))
-    ops = _union((e.time_range.start, e.time_range.end) for e in events
-                 if e.thread == main and e.cpu_parent is not None and e.cpu_parent.name.startswith("ProfilerStep")
-                 and not e.name.startswith(comm_names))
-    totals = dict(step=0.0, compute=0.0, communication=0.0, idle=0.0, overlap=0.0)
-    for s in steps:
-        window = [[s.time_range.start, s.time_range.end]]
-        c, busy = _intersect(comm, window), _intersect(ops, window)
-        exposed = _length(_union(c + busy))
-        totals["step"] += _length(window)
-        totals["communication"] += _length(c)
-        totals["compute"] += _length(busy) - _length(_intersect(busy, c))
-        totals["idle"] += _length(window) - exposed
-        totals["overlap"] += _length(_intersect(busy, c))
-    mean = {k: v / len(steps) / 1e3 for k, v in totals.items()}
-    mean["overlap"] = mean["overlap"] / mean["communication"] if mean["communication"] else 0.0
-    return mean
-
-
-def slowest_rank(breakdowns: list) -> int:
-    """The straggler: the rank that spends the least time in communication, because the others wait in theirs for
-    it (HolisticTraceAnalysis' rule for GPU traces, applied to these)."""
-    return min(range(len(breakdowns)), key=lambda r: breakdowns[r]["communication"])
-
-
-def merge_traces(paths: list, out: str) -> dict:
-    """One Chrome-trace JSON of several ranks' profiler traces (export_chrome_trace), which Perfetto and
-    chrome://tracing open: each rank becomes a process named "rank N" (its events' pid replaced), on the clock the
-    ranks share on one node. Returns what it wrote: ranks and events."""
-    merged, ranks = [], []
-    for path in paths:
-        with open(path) as f:
-            trace = json.load(f)
-        rank = trace.get("distributedInfo", {}).get("rank", len(ranks))
-        ranks.append(rank)
-        for e in trace["traceEvents"]:
-            if e.get("ph") == "M" and e.get("name") in ("process_name", "process_sort_index"):
-                continue  # replaced by the rank's own below
-            merged.append({**e, "pid": f"rank {rank}"})
-        merged.append({"ph": "M", "name": "process_name", "pid": f"rank {rank}", "args": {"name": f"rank {rank}"}})
-        merged.append({"ph": "M", "name": "process_sort_index", "pid": f"rank {rank}", "args": {"sort_index": rank}})
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, f)
-    return dict(path=out, ranks=ranks, events=len(merged))
-
-
+# breakdown, slowest_rank and merge_traces are bench.traces'; the straggler planted for them:
 def planted_straggler(rank: int, slow_rank: int, ms: float = 30.0):
     """A step's extra work on `slow_rank` only (matrix products for about `ms` milliseconds, as a slower GPU or a
     noisy neighbour would add): the function a cell calls every step."""
@@ -466,43 +292,6 @@ BIG = GPTConfig(vocab_size=50304, context=2048, d_model=4096, n_heads=32, n_laye
 
 class LayoutError(ValueError):
     """A layout refused before anyone queues it; the message says why."""
-
-
-def refuse(cfg: GPTConfig, layout: Layout, nodes: int, gpus_per_node: int, gpu_bytes: float,
-           micro_batch: int = 1) -> list:
-    """Every reason this layout cannot run `cfg` on nodes x gpus_per_node GPUs of gpu_bytes each ([]: none)."""
-    reasons = []
-    if layout.world != nodes * gpus_per_node:
-        reasons.append(f"dp x tp x pp = {layout.dp} x {layout.tp} x {layout.pp} = {layout.world} ranks, but the job "
-                       f"has {nodes} x {gpus_per_node} = {nodes * gpus_per_node} GPUs")
-    if layout.tp > gpus_per_node:
-        reasons.append(f"tp={layout.tp} spans nodes of {gpus_per_node} GPUs: tensor parallel talks in every layer, "
-                       "keep it within a node's fast links")
-    for what, size, by in (("heads", cfg.n_heads, layout.tp), ("vocabulary", cfg.vocab_size, layout.tp),
-                           ("layers", cfg.n_layers, layout.pp)):
-        if size % by:
-            reasons.append(f"{size} {what} do not split into {by} equal parts")
-    if not reasons:
-        need = max(plan_memory(cfg, layout, micro_batch, s, solution_states_per_rank)["total"]
-                   for s in range(layout.pp))
-        if need > gpu_bytes:
-            reasons.append(f"the planner needs {need / 1e9:.0f} GB per rank, the GPU has {gpu_bytes / 1e9:.0f} GB")
-    return reasons
-
-
-def forward_collectives(cfg: GPTConfig, layout: Layout, stage: int) -> dict:
-    """A stage's forward collectives by section 2's counts: with TP one all-reduce after each row-wise layer (2 per
-    block) and the head's logits all-gathered on the last stage; with FSDP2 one all-gather per unit (each block and
-    the stage's root)."""
-    blocks = cfg.n_layers // layout.pp
-    counts = {}
-    if layout.tp > 1:
-        counts["all_reduce"] = 2 * blocks
-        if stage == layout.pp - 1:
-            counts["all_gather"] = 1
-    if layout.zero >= 3 and layout.dp > 1:
-        counts["all_gather"] = counts.get("all_gather", 0) + blocks + 1
-    return counts
 
 
 def dry_run(cfg: GPTConfig, layout: Layout, rank: int, nodes: int, gpus_per_node: int, gpu_bytes: float) -> dict:
@@ -541,7 +330,7 @@ def dry_run(cfg: GPTConfig, layout: Layout, rank: int, nodes: int, gpus_per_node
         local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()) * FLOAT
         return dict(rank=rank, stage=stage, coordinates=dict(zip(("pp", "dp", "tp"), mesh.get_coordinate())),
                     q_global=tuple(q.shape), q_local=tuple(q.to_local().shape if hasattr(q, "to_local") else q.shape),
-                    parameter_bytes=local, planned=plan_memory(cfg, layout, 1, stage, solution_states_per_rank),
+                    parameter_bytes=local, planned=plan_memory(cfg, layout, 1, stage),
                     forward_collectives=forward_collectives(cfg, layout, stage))
     finally:
         dist.destroy_process_group()
