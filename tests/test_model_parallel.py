@@ -215,3 +215,41 @@ def test_one_layout_check_words_every_refusal(monkeypatch):
     with pytest.raises(ConfigError, match=r"^2 layers do not split into 3 equal parts$"):
         pipeline_stage(GPT(GPTConfig(n_layers=2)), 0, 3)
     assert refuse(GPTConfig(n_layers=2), Layout(pp=3), 1, 3, 80e9) == ["2 layers do not split into 3 equal parts"]
+
+
+def _train_and_say(trainer: str, cfg: ParallelConfig, sigterm_on: int | None) -> str:
+    """One rank of a GPT trainer's run, given a SIGTERM first if it is rank `sigterm_on`: how the run ended."""
+    import importlib
+
+    from tutorial.core.process import Sigterm, Stopped
+    from tutorial.core.tracking import DivergedError
+    if os.environ.get("RANK", "0") == str(sigterm_on):
+        Sigterm.request()  # what the handler does when the walltime's SIGTERM arrives
+    try:
+        return f"finished {importlib.import_module(f'tutorial.train_{trainer}').main(cfg)['steps']} steps"
+    except (DivergedError, Stopped) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        Sigterm.clear()
+
+
+def test_gpt_trainers_read_the_loss_at_log_steps_where_a_nan_or_a_sigterm_stops_every_rank(tmp_path):
+    """The GPT trainers read their loss on the host every log_every steps (not at every step: a read waits for the
+    GPU) and agree there, as the image trainers do (core.tracking.agree_at_log_step): a loss gone NaN stops every rank
+    at that step naming the first rank; a SIGTERM on one rank stops every rank after the same step, the steps so
+    far saved. Control: the same runs at a sane lr and without the SIGTERM finish."""
+    blown_up = CFG.replace(lr=1e4, steps=12)
+    said = spawn(2, _train_and_say, "tp", blown_up, None)
+    assert [s.split(":")[0] for s in said] == ["DivergedError"] * 2, said
+    assert all("rank 0: the training loss is " in s and " at step 5 (lr 10000; checked every 5 steps): lower --lr"
+               in s for s in said), said
+    assert _train_and_say("gpt", blown_up, None).startswith("DivergedError: rank 0: the training loss is nan at step 5")
+    assert spawn(2, _train_and_say, "tp", CFG.replace(steps=12), None) == ["finished 12 steps"] * 2
+
+    out = tmp_path / "pp"
+    said = spawn(2, _train_and_say, "pp", CFG.replace(steps=12, out=str(out)), 1)
+    assert said == [f"Stopped: SIGTERM: stopped after step 5 of 12 on every rank; the steps so far are in {out}"] * 2
+    import json
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == len(metrics["losses"]) == 5 and (out / "model.pt").exists()
+    assert _train_and_say("gpt", CFG.replace(steps=12), None) == "finished 12 steps"

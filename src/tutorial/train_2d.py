@@ -30,7 +30,8 @@ from .core.distributed import init_process_group, pick_device, teardown, world_f
 from .core.corpus import CharCorpus, batches
 from .core.gpt import GPT, loss_fn, parameter_bytes
 from .core.layout import Layout, check_layout  # TP: the checks 12's planner makes too
-from .core.parallel_config import ParallelConfig, parse_parallel_args, save_run
+from .core.parallel_config import (ParallelConfig, check_stopped, log_step, parse_parallel_args,
+                                    save_run)
 from .core.process import run_main
 # 2D: train_tp's plan, evaluation and gathering, unchanged
 from .train_tp import evaluate, full_state, tp_plan
@@ -87,18 +88,19 @@ def fit(cfg, device, world, model, optimizer, corpus, mesh) -> dict:  # 2D: and 
     """cfg.steps steps; the run's metrics, and its record in cfg.out (metrics.json, model.pt)."""
     losses, start = [], time.perf_counter()
     comms = CommDebugMode()  # TP: the first step's collectives, counted by type
-    for X, y in batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed):
+    batched = batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed)
+    for step, (X, y) in enumerate(batched, 1):
         # 2D: this data-parallel group's part of the global batch
         dp, part = mesh["dp"].get_local_rank(), cfg.batch_size // mesh["dp"].size()
         rows = slice(dp * part, (dp + 1) * part)  # 2D
         X, y = X[rows].to(device), y[rows].to(device)  # 2D
         with comms if not losses else contextlib.nullcontext():  # TP: the first step only
             losses.append(train_step(model, optimizer, X, y, mesh))  # 2D: and the mesh
-    # The losses are read on the host once, here, not with .item() every step: each read is a
-    # CPU-GPU sync (nanoGPT and torchtitan read at their log steps; this run logs only at its end).
+        if log_step(cfg, step, losses[-1]):  # read at log steps: a NaN raises, a SIGTERM stops
+            break
     losses = torch.stack(losses).tolist()
     metrics = dict(strategy=STAGE, mesh=dict(dp=mesh["dp"].size(), tp=cfg.tp),  # 2D
-                   world_size=world.world_size, device=str(device), steps=cfg.steps,
+                   world_size=world.world_size, device=str(device), steps=len(losses),
                    losses=losses, seconds=time.perf_counter() - start,
                    test_loss=evaluate(cfg, model, corpus, device),
                    parameter_bytes=parameter_bytes(model),  # TP: this rank's slices only
@@ -107,6 +109,7 @@ def fit(cfg, device, world, model, optimizer, corpus, mesh) -> dict:  # 2D: and 
     state = full_state(model)  # TP: a collective: every rank gathers
     if cfg.out and world.is_main_process:  # TP: one writer
         save_run(cfg.out, state, metrics)
+    check_stopped(cfg, len(losses))
     return metrics
 
 

@@ -18,7 +18,8 @@ import torch
 from .core.distributed import pick_device
 from .core.corpus import CharCorpus, batches
 from .core.gpt import GPT, loss_fn, parameter_bytes
-from .core.parallel_config import ParallelConfig, parse_parallel_args, save_run
+from .core.parallel_config import (ParallelConfig, check_stopped, log_step, parse_parallel_args,
+                                    save_run)
 from .core.process import run_main
 
 STAGE = "gpt"  # its options (parse_parallel_args), its name in the metrics
@@ -65,19 +66,21 @@ def full_state(model) -> dict:
 def fit(cfg, device, model, optimizer, corpus) -> dict:
     """cfg.steps steps; the run's metrics, and its record in cfg.out (metrics.json, model.pt)."""
     losses, start = [], time.perf_counter()
-    for X, y in batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed):
+    batched = batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed)
+    for step, (X, y) in enumerate(batched, 1):
         X, y = X.to(device), y.to(device)
         losses.append(train_step(model, optimizer, X, y))
-    # The losses are read on the host once, here, not with .item() every step: each read is a
-    # CPU-GPU sync (nanoGPT and torchtitan read at their log steps; this run logs only at its end).
+        if log_step(cfg, step, losses[-1]):  # read at log steps: a NaN raises, a SIGTERM stops
+            break
     losses = torch.stack(losses).tolist()
-    metrics = dict(strategy=STAGE, world_size=1, device=str(device), steps=cfg.steps,
+    metrics = dict(strategy=STAGE, world_size=1, device=str(device), steps=len(losses),
                    losses=losses, seconds=time.perf_counter() - start,
                    test_loss=evaluate(cfg, model, corpus, device),
                    parameter_bytes=parameter_bytes(model))
     state = full_state(model)
     if cfg.out:
         save_run(cfg.out, state, metrics)
+    check_stopped(cfg, len(losses))
     return metrics
 
 

@@ -27,7 +27,8 @@ from .core.corpus import CharCorpus, batches
 from .core.gpt import GPT, loss_fn, parameter_bytes
 from .core.gpt import pipeline_stage  # PP: cuts the model into stages
 from .core.layout import Layout, check_layout  # PP: the checks 12's planner makes too
-from .core.parallel_config import ParallelConfig, parse_parallel_args, save_run
+from .core.parallel_config import (ParallelConfig, check_stopped, log_step, parse_parallel_args,
+                                    save_run)
 from .core.process import run_main
 
 STAGE = "pp"  # PP
@@ -90,14 +91,15 @@ def full_state(model) -> dict:
 def fit(cfg, device, world, model, optimizer, corpus, schedule) -> dict:  # PP: world, schedule
     """cfg.steps steps; the run's metrics, and its record in cfg.out (metrics.json, model.pt)."""
     losses, start = [], time.perf_counter()
-    for X, y in batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed):
+    batched = batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed)
+    for step, (X, y) in enumerate(batched, 1):
         X, y = X.to(device), y.to(device)
         losses.append(train_step(schedule, optimizer, world, X, y, device))  # PP
-    # The losses are read on the host once, here, not with .item() every step: each read is a
-    # CPU-GPU sync (nanoGPT and torchtitan read at their log steps; this run logs only at its end).
+        if log_step(cfg, step, losses[-1]):  # read at log steps: a NaN raises, a SIGTERM stops
+            break
     losses = torch.stack(losses).tolist()
     metrics = dict(strategy=STAGE, schedule=cfg.schedule, micro_batches=cfg.micro_batches,  # PP
-                   world_size=world.world_size, device=str(device), steps=cfg.steps,
+                   world_size=world.world_size, device=str(device), steps=len(losses),
                    losses=losses, seconds=time.perf_counter() - start,
                    parameter_bytes=parameter_bytes(model))  # PP: this stage's blocks only
     # PP: rank 0 collects every stage's weights to save the whole model
@@ -107,6 +109,7 @@ def fit(cfg, device, world, model, optimizer, corpus, schedule) -> dict:  # PP: 
     if cfg.out and world.is_main_process:  # PP: one writer
         save_run(cfg.out, state, metrics)
     # PP end
+    check_stopped(cfg, len(losses))
     return metrics
 
 

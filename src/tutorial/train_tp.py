@@ -32,7 +32,8 @@ from .core.distributed import init_process_group, pick_device, teardown, world_f
 from .core.corpus import CharCorpus, batches
 from .core.gpt import GPT, loss_fn, parameter_bytes
 from .core.layout import Layout, check_layout  # TP: the checks 12's planner makes too
-from .core.parallel_config import ParallelConfig, parse_parallel_args, save_run
+from .core.parallel_config import (ParallelConfig, check_stopped, log_step, parse_parallel_args,
+                                    save_run)
 from .core.process import run_main
 
 STAGE = "tp"  # TP
@@ -131,15 +132,16 @@ def fit(cfg, device, world, model, optimizer, corpus) -> dict:  # TP: world
     """cfg.steps steps; the run's metrics, and its record in cfg.out (metrics.json, model.pt)."""
     losses, start = [], time.perf_counter()
     comms = CommDebugMode()  # TP: the first step's collectives, counted by type
-    for X, y in batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed):
+    batched = batches(corpus, cfg.batch_size, cfg.context, cfg.steps, seed=cfg.seed)
+    for step, (X, y) in enumerate(batched, 1):
         X, y = X.to(device), y.to(device)
         with comms if not losses else contextlib.nullcontext():  # TP: the first step only
             losses.append(train_step(model, optimizer, X, y))  # TP: in the with
-    # The losses are read on the host once, here, not with .item() every step: each read is a
-    # CPU-GPU sync (nanoGPT and torchtitan read at their log steps; this run logs only at its end).
+        if log_step(cfg, step, losses[-1]):  # read at log steps: a NaN raises, a SIGTERM stops
+            break
     losses = torch.stack(losses).tolist()
-    metrics = dict(strategy=STAGE, world_size=world.world_size, device=str(device), steps=cfg.steps,
-                   losses=losses, seconds=time.perf_counter() - start,
+    metrics = dict(strategy=STAGE, world_size=world.world_size, device=str(device),
+                   steps=len(losses), losses=losses, seconds=time.perf_counter() - start,
                    test_loss=evaluate(cfg, model, corpus, device),
                    parameter_bytes=parameter_bytes(model),  # TP: this rank's slices only
                    collectives={str(op).split(".")[-1]: n  # TP: the first step's collectives
@@ -147,6 +149,7 @@ def fit(cfg, device, world, model, optimizer, corpus) -> dict:  # TP: world
     state = full_state(model)  # TP: a collective: every rank gathers
     if cfg.out and world.is_main_process:  # TP: one writer
         save_run(cfg.out, state, metrics)
+    check_stopped(cfg, len(losses))
     return metrics
 
 

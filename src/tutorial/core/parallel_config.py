@@ -12,6 +12,8 @@ import torch
 
 from .config import BACKENDS, ConfigError, OneLineErrorParser, fail
 from .gpt import GPTConfig
+from .process import Stopped
+from .tracking import agree_at_log_step
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -30,6 +32,7 @@ class ParallelConfig:
     steps: int = 20               # optimizer steps
     batch_size: int = 16          # the global batch, in sequences of `context` characters
     lr: float = 3e-3              # AdamW
+    log_every: int = 5            # steps between reads of the loss on the host, where a NaN or a SIGTERM stops the run
     seed: int = 0                 # the weights and the batches: every rank and the one-process run use the same
     # parallelism
     tp: int = 2                   # train_2d: ranks per tensor-parallel group (the "tp" mesh dim); dp = world / tp
@@ -45,7 +48,7 @@ class ParallelConfig:
                          n_layers=self.n_layers).validate()
 
     def validate(self) -> "ParallelConfig":
-        for name in ("steps", "batch_size", "tp", "micro_batches"):
+        for name in ("steps", "batch_size", "log_every", "tp", "micro_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -87,6 +90,25 @@ def parse_parallel_args(description: str, argv=None, stage: str | None = None) -
         return cfg
     except ConfigError as exc:
         fail(exc)
+
+
+def log_step(cfg: ParallelConfig, step: int, loss: torch.Tensor) -> bool:
+    """After optimizer step `step` (from 1): at every log_every-th step and the last, the loss is read on the host (a
+    wait for the GPU, so not at every step: nanoGPT and torchtitan read at their log steps) and the ranks agree, in
+    one all-reduce, that it is finite (else every rank raises DivergedError naming the first bad rank and the step)
+    and whether any got SIGTERM (True: stop after this step, on every rank)."""
+    if step % cfg.log_every and step != cfg.steps:
+        return False
+    return agree_at_log_step(step, loss.item(), f"lr {cfg.lr:g}; checked every {cfg.log_every} steps",
+                             "lower --lr")
+
+
+def check_stopped(cfg: ParallelConfig, done: int) -> None:
+    """After the run's record is saved: a run that a SIGTERM stopped before cfg.steps ends as the image trainers'
+    runs do (core.process.Stopped: one line, exit 143)."""
+    if done < cfg.steps:
+        kept = f"; the steps so far are in {cfg.out}" if cfg.out else ""
+        raise Stopped(f"SIGTERM: stopped after step {done} of {cfg.steps} on every rank{kept}")
 
 
 def save_run(out: str, state: dict, metrics: dict) -> None:

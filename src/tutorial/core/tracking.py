@@ -52,6 +52,21 @@ class DivergedError(FloatingPointError):
     """The loss became NaN or infinite: one line naming the rank and step (exit code 1)."""
 
 
+def agree_at_log_step(step: int, loss: float, where: str, remedy: str, finite: bool = True) -> bool:
+    """What every rank must learn at the same logged step, in one small all-reduce: whether some rank's loss has
+    become NaN or infinite (then DivergedError naming the lowest such rank and the step, raised on every rank at once:
+    one rank stopping alone would leave the others waiting in their next collective), and whether some rank got
+    SIGTERM (returned: the trainer stops after this step). finite=False skips the loss check (fp16: GradScaler
+    skips the steps whose gradients overflow, and the run recovers by itself)."""
+    bad = finite and not math.isfinite(loss)
+    lowest_bad, sigterm = max_over_ranks([-current_rank() if bad else -NO_RANK, Sigterm.check()])
+    first_bad = -lowest_bad
+    if first_bad != NO_RANK:
+        seen = loss if bad and first_bad == current_rank() else "not finite"
+        raise DivergedError(f"rank {int(first_bad)}: the training loss is {seen} at step {step} ({where}): {remedy}")
+    return bool(sigterm)
+
+
 class Agreement(NamedTuple):
     """What every rank agreed on at a logged step, in RunLog.step's one all-reduce: the same value on every rank, so
     the trainer that receives it acts at the same step on all of them (a diverged loss raises DivergedError there)."""
@@ -106,17 +121,9 @@ class RunLog:
         if step % self.cfg.log_every:
             return None
         value = loss.item()
-        # fp16 is exempt: GradScaler skips the steps whose gradients overflow, and the run recovers by itself.
-        bad = not math.isfinite(value) and self.cfg.precision != "fp16"
-        # One all-reduce for both things the ranks must agree on at this step: the lowest rank whose loss is not
-        # finite, and whether any rank got SIGTERM (returned, for the trainer to pass to checkpoint.stop_requested).
-        lowest_bad, sigterm = max_over_ranks([-current_rank() if bad else -NO_RANK, Sigterm.check()])
-        first_bad = -lowest_bad
-        if first_bad != NO_RANK:
-            seen = value if bad and first_bad == current_rank() else "not finite"
-            raise DivergedError(f"rank {int(first_bad)}: the training loss is {seen} at step {step} (lr {lr:.3g}; "
-                                f"checked every {self.cfg.log_every} steps): lower --lr, add --warmup-epochs or "
-                                "--clip-grad, and resume from the last checkpoint")
+        sigterm = agree_at_log_step(step, value, f"lr {lr:.3g}; checked every {self.cfg.log_every} steps",
+                                    "lower --lr, add --warmup-epochs or --clip-grad, and resume from the last "
+                                    "checkpoint", finite=self.cfg.precision != "fp16")
         if self.writer:
             self.writer.add_scalar("train/loss", value, step)
             self.writer.add_scalar("train/lr", lr, step)
