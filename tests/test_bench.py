@@ -205,7 +205,7 @@ def test_bare_loop_bad_input_is_one_line_and_exit_2(args, says, capsys, monkeypa
     (["train", "--strategy", "single", "--nproc", "2"], "runs one process"),
     (["allreduce", "--nproc", "1"], "--nproc: must be at least 2"),
     (["allreduce", "--max-bytes", "12Q"], "'12Q' is not a size"),
-    pytest.param(["allreduce", "--backend", "nccl"], "backend nccl needs CUDA GPUs; this machine has none",
+    pytest.param(["allreduce", "--backend", "nccl"], "backend nccl needs GPUs; this machine has none",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA GPUs")),
     (["allreduce", "--nproc", "999"], "--nproc 999 is more than the"),
     (["scaling", "--max-nproc", str(os.cpu_count() + 1)], "--max-nproc"),

@@ -36,13 +36,13 @@ def allreduce_check(megabytes: float = 16.0, repeats: int = 5, iters: int = 0, d
         def slowest(number: int) -> float:
             """Seconds per all-reduce over `number` of them: the slowest rank's, as a collective waits for it. (Not
             torch.utils.benchmark.Timer: importing it warns on CUDA builds without a GPU, in notebook outputs.)"""
-            if device.type == "cuda":  # kernels run asynchronously: time them, not their launch
-                torch.cuda.synchronize(device)
+            if device.type != "cpu":  # kernels run asynchronously: time them, not their launch
+                getattr(torch, device.type).synchronize(device)
             start = time.perf_counter()
             for _ in range(number):
                 dist.all_reduce(x)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            if device.type != "cpu":
+                getattr(torch, device.type).synchronize(device)
             t = torch.tensor([(time.perf_counter() - start) / number], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             return t.item()

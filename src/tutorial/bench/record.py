@@ -14,8 +14,7 @@ import statistics
 from importlib import metadata
 from pathlib import Path
 
-import torch
-
+from ..core import accelerator
 from ..core.process import usable_cores
 
 
@@ -31,8 +30,8 @@ def environment() -> dict:
                     nvidia_driver=env.nvidia_driver_version)
     versions = dict(python=platform.python_version(), torch=env.torch_version, cuda=env.cuda_compiled_version,
                     cudnn=env.cudnn_version)
-    if torch.cuda.is_available():
-        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    if accelerator.library_version():  # NCCL, or RCCL on AMD
+        versions[accelerator.vendor().library.lower()] = accelerator.library_version()
     for package in ("torchvision", "horovod"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[package] = metadata.version(package)

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from ..core import accelerator
 from ..core.config import ConfigError, TrainConfig, first_line
 from ..core.process import exit_process, threads_per_process, usable_cores
 
@@ -30,8 +31,8 @@ class RunFailed(RuntimeError):
 
 def available_processes(backend: str) -> tuple[int, str]:
     """How many processes fit on this machine: one per GPU, or one per CPU core with gloo."""
-    if backend == "nccl" or torch.cuda.is_available():
-        return torch.cuda.device_count(), "GPUs"
+    if backend in ("nccl", "xccl") or accelerator.device_count():
+        return accelerator.device_count(), "GPUs"
     return usable_cores(), "CPU cores"
 
 
@@ -53,7 +54,7 @@ def share_cores(nproc: int, threads: int = 0) -> None:
     """n processes on one CPU: each gets `threads` threads, by default its share of the cores, or they fight over
     them. Done for every strategy so that runs without communication compare fairly with DDP; OMP_NUM_THREADS also
     tells the trainers' pick_device to leave the choice alone."""
-    if not torch.cuda.is_available():
+    if not accelerator.device_count():
         threads = threads or int(os.environ.get("OMP_NUM_THREADS") or threads_per_process(nproc))
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core import accelerator
 from ..core.config import TrainConfig
 from ..core.data import SHAPES
 from ..core.distributed import init_process_group, pick_device, teardown, world_from_env
@@ -71,8 +72,8 @@ def check_point(p: Point) -> None:
     """Refuse what cannot run here before starting anything."""
     if p.strategy in ("single", "dp") and p.nproc != 1 and not p.independent:
         raise BenchError(f"strategy {p.strategy} runs one process, got --nproc {p.nproc} (use ddp or horovod for more)")
-    if p.precision == "fp16" and not torch.cuda.is_available():
-        raise BenchError("precision fp16 needs a CUDA GPU; use bf16 or fp32 here")
+    if p.precision == "fp16" and not accelerator.device_count():
+        raise BenchError("precision fp16 needs a GPU; use bf16 or fp32 here")
     if p.strategy == "horovod":
         try:
             import horovod.torch  # noqa: F401
@@ -90,7 +91,7 @@ def base_config(args) -> TrainConfig:
 def _run_parameters(cfg: TrainConfig, args) -> dict:
     """What every trainer run of a study shares, for the record."""
     return dict(preset=cfg.preset_name, channels_last=cfg.channels_last, compile=cfg.compile, workers=cfg.workers,
-                device="cuda" if torch.cuda.is_available() else "cpu", threads_per_process=args.threads or
+                device=accelerator.vendor().device_type if accelerator.device_count() else "cpu", threads_per_process=args.threads or
                 "cores / nproc", warmup_steps=args.warmup, measured_steps=args.steps, repeats=args.repeats)
 
 
@@ -147,13 +148,13 @@ def _allreduce_job(job: dict, rank: int, nproc: int) -> list[dict]:
 
 
 def allreduce(args, command: list) -> int:
-    backends = args.backend or ["nccl" if torch.cuda.is_available() else "gloo"]
-    max_bytes = args.max_bytes or (2 ** 30 if torch.cuda.is_available() else 64 * 2 ** 20)
+    backends = args.backend or [accelerator.backend()]  # nccl (NVIDIA, AMD), xccl (Intel) or gloo
+    max_bytes = args.max_bytes or (2 ** 30 if accelerator.device_count() else 64 * 2 ** 20)
     if args.min_bytes > max_bytes:
         raise BenchError(f"--min-bytes {args.min_bytes} is larger than --max-bytes {max_bytes}")
     for backend in backends:
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise BenchError("backend nccl needs CUDA GPUs; this machine has none (use --backend gloo)")
+        if backend != "gloo" and not accelerator.device_count():
+            raise BenchError(f"backend {backend} needs GPUs; this machine has none (use --backend gloo)")
         available, what = available_processes(backend)
         if args.nproc > available:
             raise BenchError(f"--nproc {args.nproc} is more than the {available} {what} of this machine")
@@ -228,7 +229,7 @@ def scaling(args, command: list) -> int:
                          "choose a batch size they all divide")
     for n in nprocs:
         check_point(Point(args.strategy, precision, model, batch, n))
-    device = "GPU" if torch.cuda.is_available() else f"CPU core, {args.threads or 'cores / nproc'} thread(s) each"
+    device = "GPU" if accelerator.device_count() else f"CPU core, {args.threads or 'cores / nproc'} thread(s) each"
     for mode in args.mode:
         # The sweep itself, and for the weak breakdown the same step without communication and with the real data.
         kinds = dict(sweep={}, compute=dict(independent=True), real=dict(data="real")) \

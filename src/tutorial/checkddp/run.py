@@ -99,10 +99,11 @@ def _check_inputs(script: Path, nproc, max_seconds, max_steps) -> None:
 
 
 def _gpus() -> int:
-    if not any(Path("/dev").glob("nvidia[0-9]*")) and not os.environ.get("CUDA_VISIBLE_DEVICES"):
-        return 0  # no NVIDIA device: spare the import of torch (seconds) that would say so
-    import torch
-    return torch.cuda.device_count()
+    if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists() and not Path("/dev/dri").exists() \
+            and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return 0  # no NVIDIA, AMD or Intel device: spare the import of torch (seconds) that would say so
+    from ..core import accelerator
+    return accelerator.device_count()
 
 
 def _scratch(out) -> Path:

@@ -67,6 +67,13 @@ def device_count() -> int:
     return getattr(torch, found.device_type).device_count() if found else 0
 
 
+def device_module():
+    """torch's module for the GPUs this process sees (torch.cuda on NVIDIA and AMD, torch.xpu on Intel), for what
+    torch.accelerator does not cover (events, RNG state, device properties); None where it sees no GPU."""
+    found = vendor()
+    return getattr(torch, found.device_type) if found and device_count() else None
+
+
 def device_names() -> list[str]:
     """The name of every GPU this process sees, by index; [] on a CPU."""
     return [device_name(torch.device(vendor().device_type, i)) for i in range(device_count())]
@@ -111,7 +118,7 @@ def backend(device: torch.device | str | None = None) -> str:
 def library_version() -> str | None:
     """The NCCL (or, on ROCm, RCCL) version this torch carries, where it sees a GPU; oneCCL gives torch none."""
     found = vendor()
-    if found in (NVIDIA, AMD) and torch.cuda.is_available():
+    if found in (NVIDIA, AMD) and device_count():
         return ".".join(map(str, torch.cuda.nccl.version()))
     return None
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import accelerator
 from .config import ConfigError, TrainConfig, first_line
 from .distributed import current_rank, gather_over_ranks
 from .models import unwrap
@@ -54,6 +55,7 @@ def take_resume_offset(state: State) -> int:
 def save(cfg: TrainConfig, model, optimizer, scaler, state: State) -> None:
     """Write out/checkpoint.pt. Call it on rank 0 only. A crash mid-write never leaves a truncated checkpoint:
     the file is written beside the old one and renamed over it."""
+    gpu = accelerator.device_module()  # torch.cuda or torch.xpu: the GPU's random stream is saved beside the CPU's
     if not cfg.out:
         return
     path = os.path.join(cfg.out, "checkpoint.pt")
@@ -71,7 +73,7 @@ def save(cfg: TrainConfig, model, optimizer, scaler, state: State) -> None:
         # loader workers' (seeded anew when the resumed run starts them), so with random augmentation a resumed run
         # is a correct continuation, not a bitwise copy of the uninterrupted one.
         "rng": {"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None},
+                "cuda": gpu.get_rng_state() if gpu is not None and gpu.is_initialized() else None},
         "config": cfg.to_dict(),
     }, tmp)
     os.replace(tmp, path)
@@ -145,6 +147,6 @@ def resume(cfg: TrainConfig, model, optimizer, scaler, device: torch.device) -> 
         rng = {}
     if rng.get("cpu") is not None:
         torch.set_rng_state(rng["cpu"].cpu())
-    if rng.get("cuda") is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
+    if rng.get("cuda") is not None and device.type in accelerator.GPU_DEVICE_TYPES:  # the GPU's stream, any vendor
+        getattr(torch, device.type).set_rng_state(rng["cuda"].cpu(), device)
     return State(ckpt["epoch"], ckpt["step"], ckpt["history"], ckpt.get("batch", 0))

@@ -193,8 +193,8 @@ def default_preset() -> str:
     name = os.environ.get("TUTORIAL_PRESET")
     if name:
         return name
-    import torch
-    return "workshop" if torch.cuda.is_available() else "smoke"
+    from . import accelerator
+    return "workshop" if accelerator.device_count() else "smoke"
 
 
 # ---------------------------------------------------------------------------------------------------------------- CLI

@@ -12,12 +12,15 @@ import warnings
 
 import torch
 
+from . import accelerator
+
 
 def import_deepspeed():
     """`import deepspeed` with its accelerator named: it picks one once, when imported, and without a GPU it guesses
     with a warning. The variable is set for the import only."""
     before = os.environ.get("DS_ACCELERATOR")
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    gpu = accelerator.device_module()  # DeepSpeed's names are torch's: cuda (NVIDIA, AMD), xpu (Intel), cpu
+    os.environ.setdefault("DS_ACCELERATOR", accelerator.vendor().device_type if gpu else "cpu")
     try:
         return importlib.import_module("deepspeed")
     finally:

@@ -170,7 +170,7 @@ def init_process_group(world: World, device: torch.device, timeout: float = 300.
 def gpu_identity(device: torch.device) -> str:
     """Which physical GPU this is: its host and UUID. An index says nothing across ranks: where a launcher binds one
     GPU per task (Slurm --gpus-per-task=1, --gpu-bind), every rank sees its own GPU as cuda:0."""
-    props = torch.cuda.get_device_properties(device)
+    props = getattr(torch, device.type).get_device_properties(device)
     return f"{socket.gethostname()}/{getattr(props, 'uuid', None) or getattr(props, 'pci_bus_id', device.index)}"
 
 
@@ -203,8 +203,8 @@ def max_over_ranks(values: list[float]) -> list[float]:
     how every rank learns the same thing at the same step (a SIGTERM, a diverged loss) and acts on it together."""
     t = torch.tensor([float(v) for v in values])
     if dist.is_available() and dist.is_initialized():  # DDP, FSDP, DeepSpeed, Lightning
-        if dist.get_backend() == "nccl":
-            t = t.to(torch.cuda.current_device())
+        if dist.get_backend() in ("nccl", "xccl"):  # their collectives take GPU tensors only
+            t = t.to(torch.device(accelerator.vendor().device_type, accelerator.device_module().current_device()))
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
     hvd = sys.modules.get("horovod.torch")

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import accelerator
 from .config import ConfigError, TrainConfig
 from .distributed import current_rank, max_over_ranks
 from .process import Sigterm
@@ -177,12 +178,12 @@ class StepTimer:
     is loading data); evaluation between epochs is not a step. Leaving out warm-up steps is the reader's choice."""
 
     def __init__(self):
-        self.cuda = torch.cuda.is_available()
+        self.gpu = accelerator.device_module()  # torch.cuda or torch.xpu: events on the GPU's stream
         self.marks, self.samples = [], 0  # (stamp, samples in the step it ends, whether it starts an epoch)
 
     def _stamp(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+        if self.gpu:
+            event = self.gpu.Event(enable_timing=True)
             event.record()
             return event
         return time.perf_counter(), time.process_time()
@@ -206,13 +207,13 @@ class StepTimer:
 
     def result(self) -> dict:
         """Seconds and samples of every step in order, and (CPU only) the process's CPU seconds."""
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.gpu:
+            self.gpu.synchronize()
         seconds, cpu_seconds, samples = [], [], []
         for (start, _, _), (end, n, starts_epoch) in zip(self.marks, self.marks[1:]):
             if starts_epoch:  # the time before an epoch starts was evaluation, not a step
                 continue
-            seconds.append(start.elapsed_time(end) / 1000 if self.cuda else end[0] - start[0])
-            cpu_seconds.append(None if self.cuda else end[1] - start[1])
+            seconds.append(start.elapsed_time(end) / 1000 if self.gpu else end[0] - start[0])
+            cpu_seconds.append(None if self.gpu else end[1] - start[1])
             samples.append(n)
-        return dict(seconds=seconds, samples=samples, cpu_seconds=None if self.cuda else cpu_seconds)
+        return dict(seconds=seconds, samples=samples, cpu_seconds=None if self.gpu else cpu_seconds)
