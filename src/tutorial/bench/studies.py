@@ -90,9 +90,10 @@ def base_config(args) -> TrainConfig:
 
 def _run_parameters(cfg: TrainConfig, args) -> dict:
     """What every trainer run of a study shares, for the record."""
+    device = accelerator.vendor().device_type if accelerator.device_count() else "cpu"
     return dict(preset=cfg.preset_name, channels_last=cfg.channels_last, compile=cfg.compile, workers=cfg.workers,
-                device=accelerator.vendor().device_type if accelerator.device_count() else "cpu", threads_per_process=args.threads or
-                "cores / nproc", warmup_steps=args.warmup, measured_steps=args.steps, repeats=args.repeats)
+                device=device, threads_per_process=args.threads or "cores / nproc", warmup_steps=args.warmup,
+                measured_steps=args.steps, repeats=args.repeats)
 
 
 def _point_parameters(p: Point, cfg: TrainConfig, args) -> dict:
