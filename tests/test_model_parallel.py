@@ -195,8 +195,11 @@ def test_one_layout_check_words_every_refusal(monkeypatch):
         "10 ranks do not split into groups of tp x pp = 3 x 2",
         "dp x tp x pp = 2 x 3 x 2 = 12 ranks, but the job has 1 x 8 = 8 GPUs",
         "4 heads do not split into 3 equal parts", "32 positions of the context do not split into 3 equal parts",
-        "3 layers do not split into 2 equal parts", "batch-size 9 does not split into 2 equal data-parallel parts",
-        "batch-size 9 does not split into 3 equal micro-batches"]
+        "3 layers do not split into 2 equal parts"]  # no dp without whole groups: the batch is not checked
+    assert layout_problems(Layout(dp=2), 4, 2, batch=9, micro_batches=3) == [
+        "batch-size 9 does not split into 2 equal data-parallel parts"]
+    assert layout_problems(Layout(dp=2), 4, 2, batch=8, micro_batches=3) == [
+        "each data-parallel part (4) does not split into 3 equal micro-batches"]
     assert layout_problems(Layout(dp=2, tp=2, pp=2), 4, 4, context=32, vocabulary=48, batch=8, micro_batches=2,
                            ranks=8, job=(2, 4)) == []
     for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="3", LOCAL_WORLD_SIZE="3",

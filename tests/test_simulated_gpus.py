@@ -42,6 +42,29 @@ def records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def test_a_process_that_sees_no_gpu_runs_torch_as_it_is_until_its_gpus_appear():
+    """A rank moved to the CPU (CUDA_VISIBLE_DEVICES=) runs without the simulation's mode, which would cost every
+    operation a Python call; GPUs made visible in the process before its first CUDA call are followed from the first
+    question about them, refusals included. Control: the CPU tensor mixed in is refused once the mode follows."""
+    out = python("""
+        import os, torch
+        import simgpu
+        plain = torch.ones(2) + 1
+        print("before", torch.cuda.is_available(), simgpu._following[0], type(plain).__name__)
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # as an engine's code may set it before its first CUDA call
+        print("after", torch.cuda.is_available(), simgpu._following[0])
+        x = torch.zeros(2, device="cuda")
+        try:
+            x + torch.ones(2)
+        except RuntimeError as exc:
+            print("refused", "same device" in str(exc))
+        print(x.device, (x + 1).device)
+    """, gpus=1, CUDA_VISIBLE_DEVICES="")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:4] == ["before False False Tensor", "after True True", "refused True",
+                                           "cuda:0 cuda:0"], out.stdout
+
+
 def test_the_simulation_fails_where_cuda_would():
     out = python("""
         import torch, torch.nn as nn

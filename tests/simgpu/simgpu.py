@@ -109,9 +109,22 @@ def lazy_init() -> None:
         raise RuntimeError(BAD_FORK)
     if not _init["done"] and physical():
         _init["done"] = True
-        if not _following[0]:  # GPUs made visible after torch's import (the variable set in the process): follow now
-            _following[0] = True
-            enter_mode()
+        follow()
+
+
+def visible() -> list[int]:
+    """physical(), for torch.cuda's and torch.accelerator's answers: a process whose GPUs became visible after torch's
+    import starts following its tensors when it first asks for them (what code does before it uses a GPU)."""
+    found = physical()
+    if found:
+        follow()
+    return found
+
+
+def follow() -> None:
+    if not _following[0]:
+        _following[0] = True
+        enter_mode()
 
 
 def _after_fork_in_child() -> None:
@@ -479,7 +492,7 @@ def _patch_cuda(torch) -> None:
         return None
 
     patches = dict(
-        is_available=lambda: bool(physical()), device_count=lambda: len(physical()), current_device=current_device,
+        is_available=lambda: bool(visible()), device_count=lambda: len(visible()), current_device=current_device,
         set_device=set_device, get_device_properties=properties,
         get_device_name=lambda device=None: properties(device).name,
         get_device_capability=lambda device=None: (properties(device).major, properties(device).minor),
@@ -516,13 +529,13 @@ def _patch_cuda(torch) -> None:
     torch.Stream, torch.Event = Stream, Event
     _patch_data_parallel(torch)
     acc = torch.accelerator
-    for name, value in dict(is_available=lambda: bool(physical()), device_count=lambda: len(physical()),
+    for name, value in dict(is_available=lambda: bool(visible()), device_count=lambda: len(visible()),
                             current_device_index=current_device, current_device_idx=current_device,
                             set_device_index=set_device, set_device_idx=set_device, synchronize=nothing,
                             current_stream=lambda device=None: Stream(device), set_stream=nothing,
                             device_index=_DeviceContext,
                             current_accelerator=lambda check_available=False: torch.device("cuda")
-                            if physical() else None).items():
+                            if visible() else None).items():
         if hasattr(acc, name):
             setattr(acc, name, value)
     memory.update(get_memory_info=mem_get_info)
@@ -1143,9 +1156,12 @@ def _transfer(torch, name, args, kwargs):
 _mode = None
 # Whether this process follows tensors through the mode. A process that sees no GPU when torch is imported (a rank the
 # allocation moved to the CPU: CUDA_VISIBLE_DEVICES= ) can make no GPU tensor, so it runs torch as it is: the mode
-# costs every operation a Python call (a 4-rank torchrun of train_2d took 50 s of CPU under it, 35 without,
-# 2026-11-30). torch.cuda's answers and the process-group checks are patches, not the mode: they hold either way.
-# Should its GPUs appear later (the variable set before the first CUDA call), lazy_init enters the mode then.
+# costs every operation a Python call (a 4-rank torchrun of train_2d took 50 s of CPU under it, 33 without it, 35
+# without the simulation, 2026-11-30). torch.cuda's answers and the process-group checks are patches, not the mode:
+# they hold either way. Should its GPUs appear later (the variable set before the first CUDA call), the mode starts
+# at the first question about them (is_available, device_count, set_device, ...: visible()) or CUDA's initialisation,
+# in that thread and every thread started after; CPU tensors made before are not marked as the CPU's (_on_cpu), so
+# mixing one with a GPU tensor goes unrefused there, and a thread already running never follows.
 _following = [False]
 
 

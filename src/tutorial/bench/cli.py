@@ -112,8 +112,8 @@ def parser() -> argparse.ArgumentParser:
     cmd = commands.add_parser("allreduce", parents=[_output_flags()], help="all-reduce time and bus bandwidth",
                               description="All-reduce time and bus bandwidth over message sizes (nccl-tests' busbw = "
                               "size/time x 2(n-1)/n), the slowest rank's time.")
-    cmd.add_argument("--backend", type=_list(_choice(("gloo", "nccl"))),
-                     help="gloo and/or nccl (default: nccl with GPUs, else gloo)")
+    cmd.add_argument("--backend", type=_list(_choice(("gloo", "nccl", "xccl"))),
+                     help="gloo, nccl (NVIDIA, AMD) and/or xccl (Intel) (default: the GPUs' own, else gloo)")
     cmd.add_argument("--nproc", type=_int(2), default=2, help="processes (default 2)")
     cmd.add_argument("--min-bytes", type=_bytes, default=1024, help="smallest message (default 1K)")
     cmd.add_argument("--max-bytes", type=_bytes, help="largest message (default 64M CPU, 1G GPU)")

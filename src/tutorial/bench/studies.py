@@ -178,7 +178,7 @@ def allreduce(args, command: list) -> int:
         print_table(table)
         params = dict(backend=backend, nproc=args.nproc, dtype="float32", op="sum", sizes=sizes,
                       iterations=args.iters or "auto (~50 ms per repeat)", repeats=args.repeats,
-                      device="cuda" if backend == "nccl" else "cpu")
+                      device=accelerator.vendor().device_type if backend != "gloo" else "cpu")
         path = append_result(args.results_dir, "allreduce", command, params,
                              dict(busbw_GBps=rows[-1]["busbw_GBps"], at_bytes=rows[-1]["bytes"], sizes=rows))
         print(f"appended to {path}")

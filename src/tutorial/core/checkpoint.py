@@ -73,7 +73,9 @@ def save(cfg: TrainConfig, model, optimizer, scaler, state: State) -> None:
         # loader workers' (seeded anew when the resumed run starts them), so with random augmentation a resumed run
         # is a correct continuation, not a bitwise copy of the uninterrupted one.
         "rng": {"cpu": torch.get_rng_state(),
-                "cuda": gpu.get_rng_state() if gpu is not None and gpu.is_initialized() else None},
+                # the GPU's stream under "cuda" whatever the vendor, with the device type it belongs to
+                "cuda": gpu.get_rng_state() if gpu is not None and gpu.is_initialized() else None,
+                "gpu_type": accelerator.vendor().device_type if gpu is not None else None},
         "config": cfg.to_dict(),
     }, tmp)
     os.replace(tmp, path)
@@ -147,6 +149,6 @@ def resume(cfg: TrainConfig, model, optimizer, scaler, device: torch.device) -> 
         rng = {}
     if rng.get("cpu") is not None:
         torch.set_rng_state(rng["cpu"].cpu())
-    if rng.get("cuda") is not None and device.type in accelerator.GPU_DEVICE_TYPES:  # the GPU's stream, any vendor
+    if rng.get("cuda") is not None and device.type == rng.get("gpu_type", "cuda"):  # the same kind of GPU
         getattr(torch, device.type).set_rng_state(rng["cuda"].cpu(), device)
     return State(ckpt["epoch"], ckpt["step"], ckpt["history"], ckpt.get("batch", 0))

@@ -1,6 +1,7 @@
 """How the GPT is cut over ranks, and the one check of whether a cut fits: the GPT trainers' setup (train_tp,
 train_pp, train_2d, core.gpt.pipeline_stage), 12's memory planner and its dry run of a large job all ask
-layout_problems, so a layout is refused for the same reasons in the same words wherever it is tried."""
+layout_problems, so a rule is worded once wherever it is applied. Each asks the rules its cut needs: the planner also
+the job's nodes and the vocabulary (the head's columns split over tp), the trainers the ranks and the batch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,7 +32,8 @@ def layout_problems(layout: Layout, heads: int, layers: int, *, context: int | N
     and into micro_batches for a pipeline), the ranks there are (tp x pp must divide them), and the job's
     (nodes, GPUs per node), which must hold dp x tp x pp ranks with each tensor-parallel group inside a node."""
     reasons = []
-    if ranks is not None and ranks % (layout.tp * layout.pp):
+    uneven_ranks = ranks is not None and ranks % (layout.tp * layout.pp)
+    if uneven_ranks:
         reasons.append(f"{ranks} ranks do not split into groups of tp x pp = {layout.tp} x {layout.pp}")
     if job is not None:
         nodes, per_node = job
@@ -46,10 +48,13 @@ def layout_problems(layout: Layout, heads: int, layers: int, *, context: int | N
                               ("vocabulary entries", vocabulary, layout.tp), ("layers", layers, layout.pp)):
         if size is not None and size % parts:
             reasons.append(f"{size} {what} do not split into {parts} equal parts")
-    if batch is not None and batch % layout.dp:
+    if batch is None or uneven_ranks:  # without whole groups there is no dp to split the batch over
+        return reasons
+    if batch % layout.dp:
         reasons.append(f"batch-size {batch} does not split into {layout.dp} equal data-parallel parts")
-    if batch is not None and micro_batches is not None and (batch // layout.dp) % micro_batches:
-        reasons.append(f"batch-size {batch} does not split into {micro_batches} equal micro-batches")
+    elif micro_batches is not None and (batch // layout.dp) % micro_batches:
+        part = f"batch-size {batch}" if layout.dp == 1 else f"each data-parallel part ({batch // layout.dp})"
+        reasons.append(f"{part} does not split into {micro_batches} equal micro-batches")
     return reasons
 
 
