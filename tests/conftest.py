@@ -120,6 +120,17 @@ def skeleton(notebook: str, heading: str, name: str | None = None):
 
 
 @pytest.fixture(scope="session")
+def ddp_standalone_run(tmp_path_factory):
+    """examples/ddp_standalone.py launched once, as README and 03b's capstone launch it (torchrun, 2 ranks): its out
+    folder (result.json, model.pt), which test_examples and test_exercises_03 read; they launch it again only where
+    they change it or watch it."""
+    out = tmp_path_factory.mktemp("ddp_standalone")
+    run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         ROOT / "examples" / "ddp_standalone.py", "--out", out])
+    return out
+
+
+@pytest.fixture(scope="session")
 def session_engines():
     """Two local notebook engines for the whole test session: a start costs seconds on 2 cores, and a dozen modules
     need just 2 local engines. Their tag is outside this process's (child_processes.TAG), so the modules that check that

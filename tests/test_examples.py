@@ -27,10 +27,8 @@ AT_EXIT = ("import atexit, os, runpy, sys\n"
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp_standalone")
-    run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", EXAMPLE, "--out", out])
-    return out, json.loads((out / "result.json").read_text())
+def result(ddp_standalone_run):
+    return ddp_standalone_run, json.loads((ddp_standalone_run / "result.json").read_text())
 
 
 def test_it_imports_nothing_from_this_repository():

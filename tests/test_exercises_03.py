@@ -174,12 +174,11 @@ SOLUTION = ROOT / "examples/ddp_standalone.py"  # the capstone's solution is the
 
 
 @pytest.fixture(scope="module")
-def capstone_run(tmp_path_factory):
-    """The solution launched as the notebook launches the learner's copy: its result.json is valid for every
-    variant below, which differ only in what result.json cannot show (the checker launches each again)."""
-    out = tmp_path_factory.mktemp("capstone") / "ddp"
-    run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SOLUTION, "--out", out])
-    return out
+def capstone_run(ddp_standalone_run):
+    """The solution launched as the notebook launches the learner's copy (conftest's one launch of it): its
+    result.json is valid for every variant below, which differ only in what result.json cannot show (the checker
+    launches each again)."""
+    return ddp_standalone_run
 
 
 def variant(tmp_path, old: str, new: str):
