@@ -824,7 +824,7 @@ def _tensors(obj, tensor_type) -> list:
 
 def _mode_class(torch):
     from torch.overrides import TorchFunctionMode
-    from torch.utils._pytree import tree_flatten, tree_map_only
+    from torch.utils._pytree import tree_map_only
 
     class Mode(TorchFunctionMode):
         def __torch_function__(self, func, types_, args=(), kwargs=None):
@@ -840,7 +840,7 @@ def _mode_class(torch):
             if name in SYNC_READS and args and type(args[0]) is SimCuda:
                 _count_sync(name)
             if name == "__getitem__" and len(args) == 2 and type(args[0]) is SimCuda and any(
-                    type(t) is SimCuda and t.dtype == torch.bool for t in tree_flatten(args[1])[0]):
+                    type(t) is SimCuda and t.dtype == torch.bool for t in _tensors(args[1], torch.Tensor)):
                 _count_sync("boolean mask")
             if name == "pin_memory" and args:
                 if type(args[0]) is SimCuda:  # what a loader's pin_memory does to a batch already on the GPU
@@ -1311,7 +1311,6 @@ def _patch_distributed(torch) -> None:
 
 def _checked(torch, name, collective):
     """A collective that fails, as NCCL does, when an NCCL group is given a CPU tensor."""
-    from torch.utils._pytree import tree_flatten
 
     @functools.wraps(collective)
     def call(*args, **kwargs):
@@ -1323,10 +1322,10 @@ def _checked(torch, name, collective):
         if group is None and c10d.is_initialized():
             group = c10d._get_default_group()
         if id(group) in NCCL_GROUPS:
-            flat, _ = tree_flatten((args, kwargs))
+            flat = _tensors((args, kwargs), torch.Tensor)
             # Only a tensor that Python code made on the CPU is a CPU tensor here: one made below Python (DDP's bucket
             # handed to a comm hook, autograd's gradients) is on the GPU of its inputs on a real node (03a's hooks).
-            cpu = [t for t in flat if isinstance(t, torch.Tensor) and on(t) is None and getattr(t, "_sim_cpu", False)]
+            cpu = [t for t in flat if on(t) is None and getattr(t, "_sim_cpu", False)]
             if cpu:
                 raise RuntimeError(f"No backend type associated with device type cpu (simulated NCCL: {name} was "
                                    f"given a CPU tensor of shape {tuple(cpu[0].shape)} on an NCCL process group)")

@@ -30,8 +30,9 @@ def environment() -> dict:
                     nvidia_driver=env.nvidia_driver_version)
     versions = dict(python=platform.python_version(), torch=env.torch_version, cuda=env.cuda_compiled_version,
                     cudnn=env.cudnn_version)
-    if accelerator.library_version():  # on AMD, RCCL's (it answers under NCCL's name): one key for every record
-        versions["nccl"] = accelerator.library_version()
+    library = accelerator.library_version()
+    if library:  # on AMD, RCCL's (it answers under NCCL's name): one key for every record
+        versions["nccl"] = library
     for package in ("torchvision", "horovod"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions[package] = metadata.version(package)

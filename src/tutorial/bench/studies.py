@@ -90,10 +90,9 @@ def base_config(args) -> TrainConfig:
 
 def _run_parameters(cfg: TrainConfig, args) -> dict:
     """What every trainer run of a study shares, for the record."""
-    device = accelerator.vendor().device_type if accelerator.device_count() else "cpu"
     return dict(preset=cfg.preset_name, channels_last=cfg.channels_last, compile=cfg.compile, workers=cfg.workers,
-                device=device, threads_per_process=args.threads or "cores / nproc", warmup_steps=args.warmup,
-                measured_steps=args.steps, repeats=args.repeats)
+                device=accelerator.gpu_type(), threads_per_process=args.threads or "cores / nproc",
+                warmup_steps=args.warmup, measured_steps=args.steps, repeats=args.repeats)
 
 
 def _point_parameters(p: Point, cfg: TrainConfig, args) -> dict:
@@ -178,7 +177,7 @@ def allreduce(args, command: list) -> int:
         print_table(table)
         params = dict(backend=backend, nproc=args.nproc, dtype="float32", op="sum", sizes=sizes,
                       iterations=args.iters or "auto (~50 ms per repeat)", repeats=args.repeats,
-                      device=accelerator.vendor().device_type if backend != "gloo" else "cpu")
+                      device=accelerator.gpu_type() if backend != "gloo" else "cpu")
         path = append_result(args.results_dir, "allreduce", command, params,
                              dict(busbw_GBps=rows[-1]["busbw_GBps"], at_bytes=rows[-1]["bytes"], sizes=rows))
         print(f"appended to {path}")

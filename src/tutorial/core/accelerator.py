@@ -67,6 +67,12 @@ def device_count() -> int:
     return getattr(torch, found.device_type).device_count() if found else 0
 
 
+def gpu_type() -> str:
+    """torch's device type of the GPUs this process sees ("cuda" on NVIDIA and AMD, "xpu" on Intel), "cpu" where it
+    sees none; asks no GPU (nothing is initialised to answer)."""
+    return vendor().device_type if device_count() else "cpu"
+
+
 def device_module():
     """torch's module for the GPUs this process sees (torch.cuda on NVIDIA and AMD, torch.xpu on Intel), for what
     torch.accelerator does not cover (events, RNG state, device properties); None where it sees no GPU."""

@@ -75,7 +75,7 @@ def save(cfg: TrainConfig, model, optimizer, scaler, state: State) -> None:
         "rng": {"cpu": torch.get_rng_state(),
                 # the GPU's stream under "cuda" whatever the vendor, with the device type it belongs to
                 "cuda": gpu.get_rng_state() if gpu is not None and gpu.is_initialized() else None,
-                "gpu_type": accelerator.vendor().device_type if gpu is not None else None},
+                "gpu_type": accelerator.gpu_type() if gpu is not None else None},
         "config": cfg.to_dict(),
     }, tmp)
     os.replace(tmp, path)

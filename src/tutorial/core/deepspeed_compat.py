@@ -19,8 +19,8 @@ def import_deepspeed():
     """`import deepspeed` with its accelerator named: it picks one once, when imported, and without a GPU it guesses
     with a warning. The variable is set for the import only."""
     before = os.environ.get("DS_ACCELERATOR")
-    gpu = accelerator.device_module()  # DeepSpeed's names are torch's: cuda (NVIDIA, AMD), xpu (Intel), cpu
-    os.environ.setdefault("DS_ACCELERATOR", accelerator.vendor().device_type if gpu else "cpu")
+    # DeepSpeed's names are torch's: cuda (NVIDIA, AMD), xpu (Intel), cpu
+    os.environ.setdefault("DS_ACCELERATOR", accelerator.gpu_type())
     try:
         return importlib.import_module("deepspeed")
     finally:

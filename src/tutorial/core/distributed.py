@@ -204,7 +204,7 @@ def max_over_ranks(values: list[float]) -> list[float]:
     t = torch.tensor([float(v) for v in values])
     if dist.is_available() and dist.is_initialized():  # DDP, FSDP, DeepSpeed, Lightning
         if dist.get_backend() in ("nccl", "xccl"):  # their collectives take GPU tensors only
-            t = t.to(torch.device(accelerator.vendor().device_type, accelerator.device_module().current_device()))
+            t = t.to(torch.device(accelerator.gpu_type(), accelerator.device_module().current_device()))
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
     hvd = sys.modules.get("horovod.torch")
