@@ -117,6 +117,48 @@ def test_a_shared_node_uses_only_the_attendees_gpus(gpus, capsys):
         engine_options.engine_count(2, "local", "auto", gpus=["3"])
 
 
+VISIBLE = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
+
+
+def test_amd_and_intel_nodes_take_hide_and_name_their_gpus_with_their_own_variables(monkeypatch, capsys):
+    """An AMD node's engines and launches get ROCR_VISIBLE_DEVICES (HIP_VISIBLE_DEVICES where the lab was given one:
+    HIP counts in ROCR's list), an Intel node's ZE_AFFINITY_MASK and xccl; ranks moved to the CPU are hidden in each
+    runtime's own spelling (an empty HIP_VISIBLE_DEVICES or ZE_AFFINITY_MASK hides nothing). Control: f7f8195 set
+    CUDA_VISIBLE_DEVICES on every vendor, which Intel's runtime ignores."""
+    from test_accelerator import simulate_rocm, simulate_xpu
+
+    from tutorial.launch import child_processes
+    for name in VISIBLE:
+        monkeypatch.delenv(name, raising=False)
+    simulate_rocm(monkeypatch, gpus=2)
+    monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "4,5")  # a shared node: this attendee's two of eight
+    alloc = policy.allocation(2, TrainConfig.preset("workshop"))
+    assert (alloc.backend, alloc.gpus, alloc.env) == ("nccl", ("4", "5"), "ROCR_VISIBLE_DEVICES=4,5")
+    assert "one per GPU, RCCL" in capsys.readouterr().out
+    started = engine_env(alloc, 2)["env"]
+    assert started["ROCR_VISIBLE_DEVICES"] == "4,5" and not set(VISIBLE[:1] + VISIBLE[2:]) & set(started)
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "1")  # one GPU of the two, named in ROCR's list
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    shared = policy.allocation(2, TrainConfig.preset("workshop"))
+    assert (shared.gpus, shared.env, shared.script_env) == (("1",), "HIP_VISIBLE_DEVICES=1", "ROCR_VISIBLE_DEVICES=")
+    assert "over gloo with CUDA tensors (RCCL needs a GPU per rank)" in capsys.readouterr().out
+    assert child_processes.launcher_env()["ROCR_VISIBLE_DEVICES"] == ""
+
+    for name in VISIBLE:
+        monkeypatch.delenv(name, raising=False)
+    simulate_xpu(monkeypatch, tiles=2)
+    monkeypatch.setenv("ZE_AFFINITY_MASK", "0.0,0.1")  # the two tiles of Aurora's first card
+    alloc = policy.allocation(2, TrainConfig.preset("workshop"))
+    assert (alloc.backend, alloc.gpus, alloc.env) == ("xccl", ("0.0", "0.1"), "ZE_AFFINITY_MASK=0.0,0.1")
+    assert "one per GPU, oneCCL" in capsys.readouterr().out
+    assert engine_env(alloc, 2)["env"]["ZE_AFFINITY_MASK"] == "0.0,0.1"
+    moved = policy.allocation(3, TrainConfig.preset("workshop"), trainer="fsdp")
+    assert (moved.device, moved.env) == ("cpu", "ONEAPI_DEVICE_SELECTOR=opencl:cpu")
+    hidden = engine_env(moved, 3)["env"]
+    assert hidden["ONEAPI_DEVICE_SELECTOR"] == "opencl:cpu" and "CUDA_VISIBLE_DEVICES" not in hidden
+    assert child_processes.launcher_env()["ONEAPI_DEVICE_SELECTOR"] == "opencl:cpu"
+
+
 def test_bad_input_is_one_line(gpus):
     gpus(0)
     for ranks in (0, 1.5, True):

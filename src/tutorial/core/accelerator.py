@@ -129,6 +129,33 @@ def library_version() -> str | None:
     return None
 
 
+# --- which GPUs a child process sees (engines, launches, ranks moved to the CPU)
+
+def visible_variable() -> str:
+    """The variable that names the GPUs a process sees, for this torch's vendor: CUDA_VISIBLE_DEVICES on NVIDIA (and
+    on a CPU-only build, the course's default), ZE_AFFINITY_MASK on Intel; on AMD ROCR_VISIBLE_DEVICES, or
+    HIP_VISIBLE_DEVICES where this process was given one: HIP applies it on top of ROCR's list and counts in it, so
+    its names are the ones this process's GPUs have."""
+    found = vendor() or NVIDIA
+    if found is AMD and "HIP_VISIBLE_DEVICES" in os.environ:
+        return "HIP_VISIBLE_DEVICES"
+    return found.visible_devices[0]
+
+
+def showing(gpus) -> dict[str, str]:
+    """The environment a child process needs to see exactly these GPUs (named as visible_variable() names them);
+    empty gpus hide every GPU, which each runtime spells its own way: CUDA hides them all for an empty
+    CUDA_VISIBLE_DEVICES and ROCm for an empty ROCR_VISIBLE_DEVICES (an empty HIP_VISIBLE_DEVICES hides nothing,
+    ROCm/hip#3001), while an empty ZE_AFFINITY_MASK is no mask at all, so on Intel SYCL is told to use no Level Zero
+    device (ONEAPI_DEVICE_SELECTOR; from the runtimes' documentation, not tried on an Intel GPU here)."""
+    if gpus:
+        return {visible_variable(): ",".join(str(g) for g in gpus)}
+    found = vendor() or NVIDIA
+    if found is INTEL:
+        return {"ONEAPI_DEVICE_SELECTOR": "opencl:cpu"}
+    return {found.visible_devices[0]: ""}
+
+
 # --- bf16 and FP8 per vendor (04_mixed_precision, core.precision)
 
 OCP_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)          # NVIDIA's and the OCP standard's: inf, -0, max 448

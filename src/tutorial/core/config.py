@@ -17,7 +17,7 @@ MODELS = ("cnn", "cnn_bn", "resnet18", "resnet34", "resnet50")
 PRECISIONS = ("fp32", "fp16", "bf16")
 LR_SCALINGS = ("linear", "none")
 SCHEDULES = ("cosine", "constant")
-BACKENDS = ("auto", "nccl", "gloo")
+BACKENDS = ("auto", "nccl", "xccl", "gloo")  # auto: nccl on NVIDIA and AMD GPUs, xccl on Intel's, gloo on CPUs
 
 
 class ConfigError(ValueError):

@@ -155,10 +155,10 @@ def init_process_group(world: World, device: torch.device, timeout: float = 300.
         return False
     backend = dist.get_default_backend_for_device(device) if backend == "auto" else backend
     store = rendezvous_store(world, *rendezvous(world), timeout)
-    if backend == "nccl":
-        if device.type != "cuda":
-            raise ConfigError("backend nccl needs a CUDA GPU per rank and this rank has none; use --backend gloo")
-        refuse_shared_gpus(store, world, gpu_identity(device))
+    if backend in ("nccl", "xccl"):  # NCCL (RCCL on AMD) and oneCCL: one rank per GPU
+        if device.type not in accelerator.GPU_DEVICE_TYPES:
+            raise ConfigError(f"backend {backend} needs a GPU per rank and this rank has none; use --backend gloo")
+        refuse_shared_gpus(store, world, gpu_identity(device), backend)
     # device_id binds the group to this rank's GPU: NCCL connects now, not at the first collective, and never
     # has to guess the device (a barrier's "devices used by this process are currently unknown" warning).
     dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.world_size,
@@ -174,8 +174,9 @@ def gpu_identity(device: torch.device) -> str:
     return f"{socket.gethostname()}/{getattr(props, 'uuid', None) or getattr(props, 'pci_bus_id', device.index)}"
 
 
-def refuse_shared_gpus(store: dist.Store, world: World, identity: str) -> None:
-    """NCCL cannot put two ranks of a group on one GPU. Every rank writes the identity of its GPU into the store and
+def refuse_shared_gpus(store: dist.Store, world: World, identity: str, backend: str = "nccl") -> None:
+    """NCCL cannot put two ranks of a group on one GPU (nor RCCL; oneCCL is held to the same rule, one rank per GPU
+    or tile, as Aurora runs it). Every rank writes the identity of its GPU into the store and
     reads the others', so all ranks refuse together, naming the ranks that would share one; ranks that each see
     only their own GPU are fine, however many GPUs each of them sees."""
     store.set(f"tutorial/gpu/{world.rank}", identity)
@@ -184,8 +185,10 @@ def refuse_shared_gpus(store: dist.Store, world: World, identity: str) -> None:
         found.setdefault(store.get(f"tutorial/gpu/{r}").decode(), []).append(r)
     shared = next((ranks for ranks in found.values() if len(ranks) > 1), None)
     if shared:
-        raise ConfigError(f"ranks {', '.join(map(str, shared))} would use the same GPU: NCCL cannot put two ranks on "
-                          "one GPU; start at most one process per GPU, or use --backend gloo (slower) to share GPUs")
+        found = accelerator.INTEL if backend == "xccl" else accelerator.vendor() or accelerator.NVIDIA
+        raise ConfigError(f"ranks {', '.join(map(str, shared))} would use the same GPU: {found.library} cannot put two "
+                          "ranks on one GPU; start at most one process per GPU, or use --backend gloo (slower) to "
+                          "share GPUs")
 
 
 def current_rank() -> int:
@@ -198,13 +201,20 @@ def current_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
 
 
+def collective_device() -> torch.device:
+    """Where this rank's collectives take their tensors: its GPU under NCCL (RCCL on AMD) or XCCL, whose collectives
+    take GPU tensors only, the CPU under gloo."""
+    if dist.get_backend() in ("nccl", "xccl"):
+        return torch.device(accelerator.gpu_type(), accelerator.device_module().current_device())
+    return torch.device("cpu")
+
+
 def max_over_ranks(values: list[float]) -> list[float]:
     """The element-wise maximum of `values` over all ranks (one small all-reduce), or `values` in a lone process:
     how every rank learns the same thing at the same step (a SIGTERM, a diverged loss) and acts on it together."""
     t = torch.tensor([float(v) for v in values])
     if dist.is_available() and dist.is_initialized():  # DDP, FSDP, DeepSpeed, Lightning
-        if dist.get_backend() in ("nccl", "xccl"):  # their collectives take GPU tensors only
-            t = t.to(torch.device(accelerator.gpu_type(), accelerator.device_module().current_device()))
+        t = t.to(collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
     hvd = sys.modules.get("horovod.torch")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..core import accelerator
 from ..core.config import GPT_STAGES, STAGES, ConfigError, TrainConfig, default_preset
 from ..core.parallel_config import ParallelConfig
 from .engine_options import visible_gpus
@@ -26,8 +27,8 @@ class Allocation:
     """What a lesson's ranks run on, and the config they train with (allocation() decides)."""
     ranks: int
     device: str              # "cuda" or "cpu": engines.start(device=...)
-    backend: str             # "nccl" (one rank per GPU) or "gloo" (CPU, or ranks sharing a GPU)
-    gpus: tuple              # the GPUs the ranks take, as CUDA_VISIBLE_DEVICES names them: engines.start(gpus=...)
+    backend: str             # "nccl" (one rank per GPU; "xccl" on Intel) or "gloo" (CPU, or ranks sharing a GPU)
+    gpus: tuple              # the GPUs the ranks take, as visible_gpus() names them: engines.start(gpus=...)
     # The image trainers' TrainConfig with the backend, and CPU sizes where the ranks run on CPUs; for the GPT
     # trainers the ParallelConfig given, with the backend (None when none was given: they are small on any device).
     cfg: TrainConfig | ParallelConfig | None
@@ -35,21 +36,27 @@ class Allocation:
 
     @property
     def env(self) -> str:
-        """The variable for a launch typed as a ! command: the GPUs its processes may see ("" hides them all)."""
+        """The variable for a launch typed as a ! command: the GPUs its processes may see (CUDA_VISIBLE_DEVICES=0,1
+        on NVIDIA; an empty value hides them all; the vendor's variable on AMD and Intel, accelerator.showing)."""
         if self.device == "cuda":
-            return f"CUDA_VISIBLE_DEVICES={','.join(self.gpus)}"
-        return "CUDA_VISIBLE_DEVICES=" if visible_gpus() else ""  # nothing to hide on a CPU-only machine
+            return _assignments(self.gpus)
+        return _assignments(()) if visible_gpus() else ""  # nothing to hide on a CPU-only machine
 
     @property
     def script_env(self) -> str:
         """For a launch of a script that picks NCCL whenever it sees a GPU (the usual DDP idiom; 03b's capstone): its
         GPUs where there is one per rank, none where its ranks would share one (NCCL refuses that)."""
-        if self.backend == "nccl":
+        if self.backend != "gloo":  # nccl, or xccl on Intel
             return self.env
-        return "CUDA_VISIBLE_DEVICES=" if visible_gpus() else ""
+        return _assignments(()) if visible_gpus() else ""
 
     def __repr__(self) -> str:
         return self.line
+
+
+def _assignments(gpus) -> str:
+    """accelerator.showing(gpus) as a shell command's prefix: "CUDA_VISIBLE_DEVICES=0,1"."""
+    return " ".join(f"{name}={value}" for name, value in accelerator.showing(gpus).items())
 
 
 def sized_for_cpu(cfg: TrainConfig) -> TrainConfig:
@@ -85,14 +92,17 @@ def allocation(ranks: int, cfg: TrainConfig | ParallelConfig | None = None, trai
     gpt = trainer in GPT_STAGES
     cfg = cfg if cfg is not None or gpt else TrainConfig.preset(default_preset())
     gpus = visible_gpus()
+    found = accelerator.vendor() or accelerator.NVIDIA  # the words for a GPU run: NCCL and CUDA on NVIDIA
+    library, kind = found.library, found.device_type
     named = f"{len(gpus)} GPU(s) visible" + (f" ({','.join(gpus)})" if gpus else "")
     sync_bn = not gpt and trainer is not None and cfg.sync_bn
     if len(gpus) >= ranks:
         how, taken = "one per GPU", gpus[:ranks]
-        where = f"{ranks} rank(s) on GPU(s) {','.join(taken)}, one per GPU, NCCL ({named})"
+        where = f"{ranks} rank(s) on GPU(s) {','.join(taken)}, one per GPU, {library} ({named})"
     elif gpus and trainer in GPU_SHARING_TRAINERS and not sync_bn:
         how, taken = "shared", gpus
-        where = f"{ranks} ranks share {named} over gloo with CUDA tensors (NCCL needs a GPU per rank)"
+        where = (f"{ranks} ranks share {named} over gloo with {kind.upper()} tensors ({library} needs a GPU per "
+                 f"rank)")
     elif gpus:
         who = f"train_{trainer}" + (" with SyncBatchNorm" if sync_bn and trainer in GPU_SHARING_TRAINERS else "") \
             if trainer else "a process group made by hand"
@@ -102,7 +112,7 @@ def allocation(ranks: int, cfg: TrainConfig | ParallelConfig | None = None, trai
     else:
         how, taken = "cpu", []
         where = f"{ranks} rank(s) on the CPU with gloo (no GPU visible)"
-    backend = "nccl" if how == "one per GPU" else "gloo"
+    backend = accelerator.backend() if how == "one per GPU" else "gloo"  # nccl, or xccl on Intel
     cfg, what = _config(cfg, trainer, how, backend)
     alloc = Allocation(ranks, "cuda" if taken else "cpu", backend, tuple(taken), cfg, f"allocation: {where}{what}")
     print(alloc.line)

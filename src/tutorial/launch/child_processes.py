@@ -54,7 +54,8 @@ def launcher_env(threads: int = 1, cpu: bool = True, **extra) -> dict:
     env.update(PYTHONUNBUFFERED="1", CI=env.get("CI", "true"), OMP_NUM_THREADS=str(threads))
     env[TAG_VARIABLE] = new_tag()
     if cpu:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+        from tutorial.core import accelerator
+        env.update(accelerator.showing(()))
     env = open_mpi_env(env)
     env.update({k: str(v) for k, v in extra.items()})
     return env

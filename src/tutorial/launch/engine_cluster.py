@@ -151,8 +151,9 @@ class Cluster:
         seen = {}
         for e in self.engines:  # more engines than GPUs on a node, or a launcher's GPU binding gone wrong
             if e.gpu and e.gpu in seen and not self.request.share_gpus:
+                from tutorial.core.accelerator import visible_variable
                 raise RankError(f"ranks {seen[e.gpu]} and {e.rank} share GPU {e.gpu} on {e.host}: one engine per GPU "
-                                f"(check n, CUDA_VISIBLE_DEVICES and the launcher's GPU binding)")
+                                f"(check n, {visible_variable()} and the launcher's GPU binding)")
             seen[e.gpu] = e.rank
         self.view = self.client[[e.engine_id for e in self.engines]]
         self.view.block = True
@@ -315,12 +316,11 @@ class Cluster:
 # ------------------------------------------------------------------------------------------ on the engines
 def _probe() -> dict:
     """Who am I: pid, host, and the MPI rank when mpiexec started the engine (`ipengine --mpi` imports mpi4py)."""
-    import torch
+    from tutorial.core import accelerator
     mpi = sys.modules.get("mpi4py.MPI")
     world = mpi.COMM_WORLD if mpi is not None and mpi.Is_initialized() else None
     return dict(pid=os.getpid(), host=socket.gethostname(), mpi_rank=world.Get_rank() if world else None,
-                mpi_size=world.Get_size() if world else None,
-                gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+                mpi_size=world.Get_size() if world else None, gpus=accelerator.device_count())
 
 
 def _configure(env: dict, use_cuda: bool) -> tuple[str, str, int]:
@@ -330,16 +330,19 @@ def _configure(env: dict, use_cuda: bool) -> tuple[str, str, int]:
 
     import torch
     import torch.distributed.distributed_c10d as c10d
+
+    from tutorial.core import accelerator
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = datetime.timedelta(seconds=RENDEZVOUS_BOUND_S)
     threads = threads_per_process(int(env["LOCAL_WORLD_SIZE"]))
     os.environ.update(env, OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
-    device, gpu = "cpu", ""
-    if use_cuda and torch.cuda.is_available():
-        index = int(env["LOCAL_RANK"]) % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        props = torch.cuda.get_device_properties(index)
-        device, gpu = f"cuda:{index} {props.name}", str(getattr(props, "uuid", "") or f"{socket.gethostname()}:{index}")
+    device, gpu, gpus = "cpu", "", accelerator.device_module()  # torch.cuda (NVIDIA, AMD) or torch.xpu (Intel)
+    if use_cuda and gpus is not None:
+        index = int(env["LOCAL_RANK"]) % gpus.device_count()
+        gpus.set_device(index)
+        props = gpus.get_device_properties(index)
+        device = f"{accelerator.gpu_type()}:{index} {props.name}"
+        gpu = str(getattr(props, "uuid", "") or f"{socket.gethostname()}:{index}")
     return device, gpu, torch.get_num_threads()
 
 

@@ -67,7 +67,7 @@ class Request:
     n: int
     kind: str          # start's engines=: local, mpi, slurm or pbs
     device: str
-    gpus: tuple | None  # this node's GPUs the engines take, as CUDA_VISIBLE_DEVICES names them (None: as it is here)
+    gpus: tuple | None  # this node's GPUs the engines take, as visible_gpus() names them (None: as it is here)
     use_cuda: bool
     timeout: float
     run_timeout: float
@@ -108,12 +108,13 @@ def check(n, engines: str, *, device: str, gpus, timeout: float, run_timeout: fl
 
 
 def visible_gpus() -> list[str]:
-    """The GPUs this process may use, named as CUDA_VISIBLE_DEVICES names them (indices, UUIDs or MIG ids), or
-    "0", "1", ... where it is not set. On a node shared by several attendees, each one's JupyterLab is started with
-    its own CUDA_VISIBLE_DEVICES, and engines started from it take only those GPUs (start(gpus=...))."""
-    import torch
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    """The GPUs this process may use, named as the vendor's variable names them (CUDA_VISIBLE_DEVICES: indices,
+    UUIDs or MIG ids; ROCR_VISIBLE_DEVICES; ZE_AFFINITY_MASK: cards or card.tile), or "0", "1", ... where it is not
+    set. On a node shared by several attendees, each one's JupyterLab is started with its own variable set, and
+    engines started from it take only those GPUs (start(gpus=...))."""
+    from tutorial.core import accelerator
+    count = accelerator.device_count()
+    listed = os.environ.get(accelerator.visible_variable())
     if listed is None:
         return [str(i) for i in range(count)]
     # CUDA stops at the first entry it cannot use; torch's count says how many it took.
@@ -150,8 +151,8 @@ def engine_count(n, kind: str, device: str, elsewhere: bool = False, gpus=None) 
         if n is None:
             raise ClusterError(f"engines={kind!r} on other nodes needs n, the number of engines to start there")
         return n, device != "cpu"
-    import torch
-    gpus = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
+    from tutorial.core import accelerator
+    gpus = accelerator.device_count() if device != "cpu" else 0
     if device == "cuda" and gpus == 0:
         raise ClusterError("device='cuda' needs GPUs, but none is visible here (device='auto' uses the CPU)")
     if gpus == 0:
@@ -214,8 +215,9 @@ def ipp_cluster(request: Request, tag: str):
 
 def ipp_config(request: Request, tag: str):
     """ipyparallel's launcher settings: the engines' environment (fixed at launch: OpenMP reads its thread count when
-    it starts), mpiexec's arguments, quick kills, and the caller's own launcher options. The engines'
-    CUDA_VISIBLE_DEVICES is the request's GPUs, empty for device='cpu', and this process's where none were named."""
+    it starts), mpiexec's arguments, quick kills, and the caller's own launcher options. The engines see the
+    request's GPUs, none for device='cpu', and this process's where none were named (accelerator.showing: the
+    vendor's variable)."""
     from ipyparallel.cluster.launcher import find_launcher_class
     from traitlets.config import Config
     kind, mpi_args = request.kind, request.where.mpi_args
@@ -227,7 +229,8 @@ def ipp_config(request: Request, tag: str):
         env["OMP_NUM_THREADS"] = str(threads_per_process(request.n))
     gpus = () if request.device == "cpu" else request.gpus
     if gpus is not None:  # set, not inherited: engines see exactly these, local rank i takes the i-th
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        from tutorial.core import accelerator
+        env.update(accelerator.showing(gpus))
     config.EngineLauncher.environment = open_mpi_env(env) if kind == "mpi" else env
     config.MPIEngineSetLauncher.mpi_args = list(mpi_args)
     # Engines keep no state worth saving: SIGKILL 1 s after SIGTERM (the default 5 s adds up over restarts).

@@ -37,7 +37,9 @@ def _native_stderr_silenced():
 
 
 def _default_device() -> torch.device:
-    return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if torch.accelerator.is_available():  # NVIDIA's and AMD's GPUs are "cuda" to torch, Intel's "xpu"
+        return torch.device(torch.accelerator.current_accelerator().type, 0)
+    return torch.device("cpu")
 
 
 def model_and_batch(cfg: TrainConfig, batch_size: int | None = None, device: torch.device | None = None,

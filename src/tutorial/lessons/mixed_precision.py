@@ -84,11 +84,11 @@ def precision_benchmark(cfg: TrainConfig, precisions=("fp32", "bf16"), steps: in
         model, X, y = model_and_batch(cfg, device=device, real=False)
         if cfg.channels_last:
             model, X = model.to(memory_format=torch.channels_last), X.contiguous(memory_format=torch.channels_last)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        if device.type != "cpu":
+            torch.accelerator.reset_peak_memory_stats(device)
         row = {"precision": name, "samples/s": round(len(X) / step_seconds(model, X, y, precision, steps))}
-        if device.type == "cuda":
-            row["peak MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
+        if device.type != "cpu":
+            row["peak MiB"] = torch.accelerator.max_memory_allocated(device) / 2**20
         rows.append(row)
         del model
     return rows
@@ -136,8 +136,8 @@ def seconds_per_call(fn, device: torch.device, repeats: int = 5, warmup: int = 3
     import time
 
     def synchronized():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
         return time.perf_counter()
 
     start = synchronized()

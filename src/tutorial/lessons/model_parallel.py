@@ -97,8 +97,8 @@ def pipeline_timeline(cfg: ParallelConfig, steps: int = 3) -> dict:
         def wrapper(chunk, *args, **kwargs):
             start = time.perf_counter()
             result = method(chunk, *args, **kwargs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # kernels run asynchronously: time them, not their launch
+            if device.type != "cpu":
+                torch.accelerator.synchronize(device)  # kernels run asynchronously: time them, not their launch
             if clock["step"] >= 0:
                 events.append(dict(stage=world.rank, step=clock["step"], kind=kind, micro_batch=chunk,
                                    start=start - clock["t0"], end=time.perf_counter() - clock["t0"]))

@@ -35,7 +35,7 @@ def choose_preset(**overrides) -> TrainConfig:
     extra = shlex.split(os.environ.get("TUTORIAL_CONFIG", ""))
     cfg = parse_args(argv=["--preset", default_preset(), *extra]).replace(**overrides)
     import torch
-    where = f"{torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "CPU only"
+    where = f"{torch.accelerator.device_count()} GPU(s)" if torch.accelerator.is_available() else "CPU only"
     print(f"preset {cfg.preset_name} ({where}): {cfg.dataset}/{cfg.model}, batch {cfg.batch_size} per process, "
           f"{cfg.epochs} epochs, {cfg.precision}")
     return cfg

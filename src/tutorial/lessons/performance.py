@@ -19,6 +19,7 @@ from ..bench.plan import (FLOAT, activation_bytes, forward_collectives, largest_
                           parameter_counts, plan_memory, refuse, stage_parameters, zero_states)
 from ..bench.traces import breakdown, merge_traces, slowest_rank  # noqa: F401 (12 calls them as lesson.*)
 from ..core.corpus import CharCorpus, batches
+from ..core.distributed import collective_device
 from ..core.gpt import GPT, GPTConfig, loss_fn
 from ..core.layout import Layout
 from .ranks import first_error, on_every_rank
@@ -57,14 +58,14 @@ def _local_bytes(tensors) -> int:
 
 def _forward_bytes(model, X, y, device) -> int:
     """What a forward (and the loss) leaves allocated: the profiler's memory records on the CPU (profile_memory=True,
-    the net bytes of the region), the CUDA allocator's counter on a GPU."""
+    the net bytes of the region), the GPU allocator's counter on a GPU."""
     from torch.profiler import ProfilerActivity, profile, record_function
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+        before = torch.accelerator.memory_allocated(device)
         loss = loss_fn(model(X), y) if y is not None else model(X)
-        torch.cuda.synchronize(device)
-        return torch.cuda.memory_allocated(device) - before, loss
+        torch.accelerator.synchronize(device)
+        return torch.accelerator.memory_allocated(device) - before, loss
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("forward"):
             loss = loss_fn(model(X), y) if y is not None else model(X)
@@ -109,7 +110,7 @@ def measure_memory(strategy: str, batch_size: int = 16, steps: int = 3) -> dict:
     (parameters, gradients, optimizer state: their local storage) and by the profiler (the last forward's net
     allocation)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device()
     cfg = GPTConfig()
     model, layout = build_strategy(strategy, cfg, device, rank, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -229,7 +230,7 @@ def collective_runs(batch_size: int = 16) -> dict:
     """On every rank of a group: one training step of the GPT under DDP, FSDP2 and TP (after a first step, so that
     DDP's buckets are built), counted by count_collectives; and DDP's all-reduces seen by a communication hook."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device()
     X, y = next(batches(CharCorpus(), batch_size, GPTConfig().context, 1, seed=0))
     X, y = X.to(device), y.to(device)
     counted = {}
@@ -256,15 +257,15 @@ def all_reduce_bandwidth(nbytes: int = 4 << 20, repeats: int = 5) -> float:
     a warm-up), 2(n-1)/n x bytes / seconds, as nccl-tests reports it."""
     import statistics
     n = dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device()
     x = torch.ones(nbytes // 4, device=device)
     seconds = []
     for i in range(repeats + 1):
         dist.barrier()
         start = time.perf_counter()
         dist.all_reduce(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
         if i:
             seconds.append(time.perf_counter() - start)
     return 2 * (n - 1) / n * nbytes / statistics.median(seconds)

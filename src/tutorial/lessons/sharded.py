@@ -64,7 +64,7 @@ def memory_per_rank(cfg: TrainConfig, strategy: str) -> dict:
     """Run on every engine: build the model exactly as the trainer does (its setup and build), take one optimizer
     step (so the optimizer state exists), run one more forward and backward (so the gradients exist), and return
     the bytes this rank holds (tensor bytes, on any device). On a GPU rank also `gpu_peak`, what
-    torch.cuda.max_memory_allocated saw from the build to the last backward (activations, buckets and the allocator's
+    torch.accelerator.max_memory_allocated saw from the build to the last backward (activations, buckets and the allocator's
     blocks included: what an out-of-memory error is about); None on a CPU rank. strategy: ddp, zero1, zero2, zero3 or
     fsdp."""
     from .. import train_ddp, train_deepspeed, train_fsdp
@@ -79,9 +79,9 @@ def memory_per_rank(cfg: TrainConfig, strategy: str) -> dict:
     try:
         if deepspeed:
             join_group(device, created)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
+        if device.type != "cpu":  # a GPU of any vendor: torch.accelerator's allocator counters
+            torch.accelerator.synchronize(device)
+            torch.accelerator.reset_peak_memory_stats(device)
         built = trainer.build(cfg, device, precision) if strategy == "fsdp" else trainer.build(cfg, device)
         model, optimizer, loader, _, _ = built
         X, y = (t.to(device) for t in next(iter(loader)))
@@ -93,7 +93,7 @@ def memory_per_rank(cfg: TrainConfig, strategy: str) -> dict:
         module = model.module if hasattr(model, "module") else model
         held = held_bytes(module, optimizer)
         full = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.parameters())
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        peak = torch.accelerator.max_memory_allocated(device) if device.type != "cpu" else None
         return dict(strategy=strategy, rank=dist.get_rank(), world_size=dist.get_world_size(), parameter_count=full,
                     gpu_peak=peak, **held)
     finally:
@@ -263,7 +263,7 @@ def activation_memory(model, X, blocks=None) -> dict:
     - saved_bytes: what autograd keeps for backward, in bytes: every tensor handed to saved_tensors_hooks' pack hook
       during forward, each storage counted once and the parameters left out (they are held anyway). Runs anywhere;
       it is tensor bytes, not what an allocator reports.
-    - peak_bytes: on a CUDA device, torch.cuda.max_memory_allocated during forward and backward above what was
+    - peak_bytes: on a GPU, torch.accelerator.max_memory_allocated during forward and backward above what was
       allocated before (weights, input); None on the CPU, which has no such counter.
     - at_once: the most blocks recomputed during backward whose backward had not yet run (1 when each block is
       checkpointed on its own; all of them when the whole model is one checkpoint; 0 without checkpointing).
@@ -291,11 +291,11 @@ def activation_memory(model, X, blocks=None) -> dict:
     handles = [b.register_forward_pre_hook(lambda m, a, i=i: recomputed(m, a, i)) for i, b in enumerate(blocks)]
     handles += [p.register_post_accumulate_grad_hook(lambda p, i=i: through(p, i))
                 for i, b in enumerate(blocks) for p in b.parameters()]
-    cuda = X.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(X.device)
-        torch.cuda.reset_peak_memory_stats(X.device)
-        before = torch.cuda.memory_allocated(X.device)
+    gpu = X.device.type != "cpu"
+    if gpu:
+        torch.accelerator.synchronize(X.device)
+        torch.accelerator.reset_peak_memory_stats(X.device)
+        before = torch.accelerator.memory_allocated(X.device)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(X).square().mean()
@@ -304,7 +304,7 @@ def activation_memory(model, X, blocks=None) -> dict:
     finally:
         for h in handles:
             h.remove()
-    peak = torch.cuda.max_memory_allocated(X.device) - before if cuda else None
+    peak = torch.accelerator.max_memory_allocated(X.device) - before if gpu else None
     grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in _named_block_parameters(blocks)}
     return {"saved_bytes": sum(saved.values()), "peak_bytes": peak, "at_once": state["at_once"], "grads": grads}
 
