@@ -2,7 +2,8 @@
 
 notebooks/capstone/train_plain.py (one process) turned into DDP, as notebook 03b's capstone asks: every change is
 tagged "# DDP:". It imports nothing from this repository's package (torch and scikit-learn only), trains a small MLP
-on scikit-learn's 8x8 digits in seconds, and runs unchanged on CPUs (gloo) and on GPUs (NCCL, one process per GPU):
+on scikit-learn's 8x8 digits in seconds, and runs unchanged on CPUs (gloo) and on GPUs (NCCL, XCCL on Intel's; one
+process per GPU):
 
     torchrun --standalone --nproc_per_node 2 examples/ddp_standalone.py --out runs/ddp_standalone
     torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d --rdzv_endpoint HEAD:29500 \
@@ -56,7 +57,7 @@ def train(args, device):
     torch.manual_seed(0)
     train_set, test_set = datasets()
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # DDP: rank 0's weights everywhere
+    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)  # DDP: rank 0's weights everywhere
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * world_size, momentum=0.9)  # DDP: linear scaling
     sampler = DistributedSampler(train_set, shuffle=True, seed=0)  # DDP: this rank's 1/world_size of the data
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)  # DDP: sampler, not shuffle
@@ -106,16 +107,18 @@ def main():
     # DDP: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every process it starts.
     # One process per GPU, each on its own (LOCAL_RANK numbers the processes of this node); gloo on CPUs.
     # Where the launcher binds one GPU per task (Slurm --gpus-per-task=1), every process sees only its own: cuda:0.
+    # torch.accelerator is whichever GPUs the machine has: NVIDIA's and AMD's are "cuda" to torch, Intel's "xpu".
     local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    if torch.accelerator.is_available():
+        gpu = torch.accelerator.current_accelerator().type
+        device = torch.device(gpu, local_rank % torch.accelerator.device_count())
+        torch.accelerator.set_device_index(device)
     else:
         device = torch.device("cpu")
-    # DDP: torch's default backend for the device (gloo for CPUs, NCCL for GPUs); device_id binds the group to this
-    # process's GPU, so NCCL connects now and every collective knows its device.
+    # DDP: torch's default backend for the device (gloo for CPUs, NCCL for NVIDIA's and AMD's GPUs, XCCL for Intel's);
+    # device_id binds the group to this process's GPU, so NCCL connects now and every collective knows its device.
     dist.init_process_group(dist.get_default_backend_for_device(device),
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type != "cpu" else None)
     try:
         train(args, device)  # DDP: its model, the last holder of the process group, is freed when it returns
     finally:

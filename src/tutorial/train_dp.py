@@ -34,6 +34,7 @@ LOSS_SUM, SAMPLES = 0, 1  # train_one_epoch's totals: the loss summed over sampl
 
 def setup(cfg: TrainConfig):
     """The device, the precision policy and the seed; bad options fail here, before any work."""
+    # DP: nn.DataParallel runs on CUDA GPUs only (NVIDIA, or AMD under ROCm), the model on cuda:0
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     precision = Precision(cfg.precision, device)
     cfg.check_stage(STAGE, device)  # an option only other trainers read is refused, not ignored

@@ -114,8 +114,8 @@ def setup(cfg: TrainConfig):
 def devices_per_node(world, device: torch.device) -> int:
     """The ranks on this node, or fewer where each rank sees only its own GPU (a launcher's
     binding)."""
-    if device.type == "cuda":
-        return min(world.local_world_size, torch.cuda.device_count())
+    if device.type != "cpu":
+        return min(world.local_world_size, torch.accelerator.device_count())
     return world.local_world_size
 
 

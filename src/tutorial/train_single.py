@@ -30,7 +30,8 @@ LOSS_SUM, SAMPLES = 0, 1  # train_one_epoch's totals: the loss summed over sampl
 
 def setup(cfg: TrainConfig):
     """The device, the precision policy and the seed; bad options fail here, before any work."""
-    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    # the machine's GPU (NVIDIA's and AMD's are "cuda" to torch, Intel's "xpu"), else the CPU
+    device = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     precision = Precision(cfg.precision, device)
     cfg.check_stage(STAGE, device)  # an option only other trainers read is refused, not ignored
     tracking.prepare_output(cfg)
