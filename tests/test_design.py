@@ -799,9 +799,10 @@ def test_the_simulated_gpu_lane_runs_every_notebook_and_its_promises_point_at_th
 # ----------------------------------------------------------------------------------- torch.cuda, vendor by vendor
 # Where the code still names torch.cuda (code, not comments or strings), by file: on AMD torch.cuda is ROCm's, but on
 # Intel it is absent, so each of these is a place an XPU node takes the CPU's branch. core.accelerator is where the
-# vendors are told apart (NVIDIA's and AMD's NCCL/RCCL version, the capability of a CUDA device), and train_dp and
-# lessons.data_parallel teach nn.DataParallel, which is CUDA's only; the others are to be moved to core.accelerator
-# (issue 51), and none may be added: a count may only fall (lower it here when it does).
+# vendors are told apart (NVIDIA's and AMD's NCCL/RCCL version, the capability of a CUDA device), core.precision asks a
+# CUDA device's capability, and train_dp and lessons.data_parallel teach nn.DataParallel, which is CUDA's only; the
+# rest asks core.accelerator or torch.accelerator. None may be added: a count may only fall (lower it here when it
+# does).
 TORCH_CUDA_LEFT = {
     "src/tutorial/core/accelerator.py": 5, "src/tutorial/train_dp.py": 2, "src/tutorial/lessons/data_parallel.py": 4,
     "src/tutorial/core/precision.py": 1,
