@@ -7,8 +7,10 @@ PORT ?= 8888
 # 127.0.0.1 keeps the lab private to this machine; on a compute node reach it with an ssh tunnel (README).
 LAB_IP ?= 127.0.0.1
 HOROVOD_GPU_OPERATIONS ?=
+# SITE_TORCH=1 make install: keep the site's torch (Intel XPU, AMD ROCm) instead of PyPI's CUDA build (install.sh)
+SITE_TORCH ?=
 NBVAL_TIMEOUT ?= 600
-export PYTHON VENV HOROVOD_GPU_OPERATIONS
+export PYTHON VENV HOROVOD_GPU_OPERATIONS SITE_TORCH
 BIN := $(VENV)/bin
 # Where make test records its times (scripts/suite_times.py): each lane's wall time, and through --junitxml every
 # test's and notebook cell's duration; the report at its end prints the halves' balance and the slowest tests.

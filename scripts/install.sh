@@ -9,6 +9,7 @@
 #      defaults (scripts/lab_settings.py)
 #   6. the hub's proxy, configurable-http-proxy from npm, into tools/hub/node_modules (npm ci; skipped without npm)
 #   7. .venv-floor: the oldest torch the workbook supports over the venv's other packages (scripts/torch_floor.sh)
+# SITE_TORCH=1 keeps the site's torch (an Intel XPU or AMD ROCm build) instead of PyPI's CUDA one (step 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,14 +51,38 @@ fi
 # 2. the virtual environment
 "$PYTHON" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 12))' \
   || die "$("$PYTHON" -V 2>&1) is not supported; use Python 3.10-3.12 (set PYTHON=python3.11)"
-[[ -x $VENV/bin/python ]] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
+# SITE_TORCH=1: the site's own torch, the one $PYTHON imports (Aurora's XPU build after `module load frameworks`, a
+# ROCm build on an AMD system), seen through --system-site-packages; PyPI's torch and torchvision are CUDA builds
+# and would shadow it. The site's torch must be at least pyproject.toml's floor.
+skip='^deepspeed=='
+venv_args=()
+case "${SITE_TORCH:-}" in
+  ""|0) if [[ -e /dev/kfd ]] || grep -qs '^0x0b' /sys/class/drm/renderD*/device/device; then
+          say "note: this node has AMD or Intel GPUs and PyPI's torch is built for NVIDIA's: load the site's torch and run SITE_TORCH=1 make install"
+        fi ;;
+  1) site=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null) \
+       || die "SITE_TORCH=1 but $PYTHON imports no torch: load the site's module first (Aurora: module load frameworks), or set PYTHON"
+     floor=$(sed -n 's/.*"torch>=\([0-9]*\.[0-9]*\)".*/\1/p' pyproject.toml)
+     "$PYTHON" -c "import sys; v = tuple(int(x) for x in '${site%%+*}'.split('.')[:2]); sys.exit(v < tuple(int(x) for x in '$floor'.split('.')))" \
+       || die "SITE_TORCH=1: $PYTHON's torch $site is older than $floor, the oldest this workbook supports: load a newer one"
+     say "the site's torch $site ($PYTHON), not PyPI's"
+     skip='^(deepspeed|torch|torchvision)=='
+     venv_args=(--system-site-packages) ;;
+  *) echo "install: error: SITE_TORCH=$SITE_TORCH is not supported; use 1 (the site's torch) or leave it unset" >&2; exit 2 ;;
+esac
+[[ -x $VENV/bin/python ]] || { say "creating $VENV"; "$PYTHON" -m venv "${venv_args[@]}" "$VENV"; }
+if [[ ${SITE_TORCH:-} == 1 && $("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) != "$site" ]]; then
+  # --system-site-packages shows the base interpreter's packages: a torch installed in another venv is not among them
+  die "SITE_TORCH=1: $VENV does not see $PYTHON's torch $site (is it in a virtual environment of its own? then install into that one: make install SITE_TORCH=1 VENV=its folder)"
+fi
 stamp=$VENV/.requirements.sha256
 want=$(sha256sum requirements.txt | cut -d' ' -f1)
+[[ ${SITE_TORCH:-} == 1 ]] && want+=-site
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   say "installing requirements.txt into $VENV (torch is a few GB the first time)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  # Everything but DeepSpeed, whose build must see this torch (below).
-  "$VENV/bin/python" -m pip install -q -r <(grep -v '^deepspeed==' requirements.txt)
+  # Everything but DeepSpeed, whose build must see this torch (below), and the site's torch where it has one.
+  "$VENV/bin/python" -m pip install -q -r <(grep -Ev "$skip" requirements.txt)
   # PyPI's torchvision is built against a CUDA torch; a mismatched torch fails here rather than in a notebook.
   "$VENV/bin/python" -c 'import torch, torchvision; torchvision.ops.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)' \
     || die "torch and torchvision do not work together; check the pair pinned in requirements.txt"
@@ -102,6 +127,11 @@ if [[ $(cat "$hub/node_modules/.lock.sha256" 2>/dev/null) != "$lock" ]]; then
     say "note: npm missing: the workshop's hub (make hub) needs it for its proxy (sudo apt-get install npm)"
   fi
 fi
-# 7. the oldest supported torch, for make test's floor lane: an overlay of the venv (about 0.5 GB, once)
-VENV=$VENV bash scripts/torch_floor.sh
+# 7. the oldest supported torch, for make test's floor lane: an overlay of the venv (about 0.5 GB, once); not over a
+# site's torch (make test is the maintainers' check, on PyPI's torch)
+if [[ ${SITE_TORCH:-} == 1 ]]; then
+  say "note: no .venv-floor over the site's torch: make test's floor lane needs a make install without SITE_TORCH"
+else
+  VENV=$VENV bash scripts/torch_floor.sh
+fi
 say "ready ($VENV)"

@@ -170,7 +170,7 @@ def test_an_aurora_node_with_a_cuda_torch_is_not_ready(tmp_path, capsys):
     assert fix.startswith(f"missing GPUs: {BUILT}, not XPU; install the XPU "
                           "build: .venv/bin/pip install --force-reinstall torch==")
     assert fix.endswith("--index-url https://download.pytorch.org/whl/xpu, or use the site's XPU torch (on Aurora: "
-                        "module load frameworks)")
+                        "module load frameworks, then SITE_TORCH=1 make install)")
 
 
 def test_an_aurora_node_whose_xpu_torch_sees_nothing_names_ze_affinity_mask(tmp_path, monkeypatch):

@@ -138,9 +138,10 @@ def _vendor_build_fix(torch, gpus) -> str:
         rocm = accelerator.node_rocm()
         which = f"ROCm {rocm} is installed here" if rocm else "X.Y: the node's ROCm"
         return (f"{built}, not ROCm; install a ROCm build: {_reinstall(gpus.wheels + (rocm or '<X.Y>'))} ({which}; "
-                "pytorch.org lists the ROCm versions each torch is built for), or use the site's ROCm torch")
+                "pytorch.org lists the ROCm versions each torch is built for), or use the site's ROCm torch: load "
+                "it, then SITE_TORCH=1 make install")
     return (f"{built}, not XPU; install the XPU build: {_reinstall(gpus.wheels)}, or use the site's XPU torch (on "
-            "Aurora: module load frameworks)")
+            "Aurora: module load frameworks, then SITE_TORCH=1 make install)")
 
 
 def doctor_rows():
