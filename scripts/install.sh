@@ -22,6 +22,10 @@ case "${HOROVOD_GPU_OPERATIONS:-}" in
   ""|NCCL) ;;
   *) echo "install: error: HOROVOD_GPU_OPERATIONS=${HOROVOD_GPU_OPERATIONS} is not supported; use NCCL or leave it unset (CPU ops)" >&2; exit 2 ;;
 esac
+case "${SITE_TORCH:-}" in
+  ""|0|1) ;;
+  *) echo "install: error: SITE_TORCH=$SITE_TORCH is not supported; use 1 (the site's torch) or leave it unset" >&2; exit 2 ;;
+esac
 
 # 1. system packages
 # apt_install WHY PACKAGE...: as root with apt-get, install them and return 0; otherwise return 1 (the caller says
@@ -56,8 +60,15 @@ fi
 # and would shadow it. The site's torch must be at least pyproject.toml's floor.
 skip='^deepspeed=='
 venv_args=()
+intel_max() {  # an Intel Data Center GPU Max: vendor 0x8086, device 0x0bxx (core/accelerator.py reads the same)
+  local d
+  for d in /sys/class/drm/renderD*/device; do
+    [[ $(cat "$d/vendor" 2>/dev/null) == 0x8086 && $(cat "$d/device" 2>/dev/null) == 0x0b* ]] && return 0
+  done
+  return 1
+}
 case "${SITE_TORCH:-}" in
-  ""|0) if [[ -e /dev/kfd ]] || grep -qs '^0x0b' /sys/class/drm/renderD*/device/device; then
+  ""|0) if [[ -e /dev/kfd ]] || intel_max; then
           say "note: this node has AMD or Intel GPUs and PyPI's torch is built for NVIDIA's: load the site's torch and run SITE_TORCH=1 make install"
         fi ;;
   1) site=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null) \
@@ -68,9 +79,11 @@ case "${SITE_TORCH:-}" in
      say "the site's torch $site ($PYTHON), not PyPI's"
      skip='^(deepspeed|torch|torchvision)=='
      venv_args=(--system-site-packages) ;;
-  *) echo "install: error: SITE_TORCH=$SITE_TORCH is not supported; use 1 (the site's torch) or leave it unset" >&2; exit 2 ;;
 esac
-[[ -x $VENV/bin/python ]] || { say "creating $VENV"; "$PYTHON" -m venv "${venv_args[@]}" "$VENV"; }
+if [[ ${SITE_TORCH:-} == 1 && -f $VENV/pyvenv.cfg ]] && ! grep -q '^include-system-site-packages = true' "$VENV/pyvenv.cfg"; then
+  die "SITE_TORCH=1: $VENV was made without the site's packages (a make install without SITE_TORCH): remove it (rm -rf $VENV) and run again"
+fi
+[[ -x $VENV/bin/python ]] || { say "creating $VENV"; "$PYTHON" -m venv ${venv_args[@]+"${venv_args[@]}"} "$VENV"; }
 if [[ ${SITE_TORCH:-} == 1 && $("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) != "$site" ]]; then
   # --system-site-packages shows the base interpreter's packages: a torch installed in another venv is not among them
   die "SITE_TORCH=1: $VENV does not see $PYTHON's torch $site (is it in a virtual environment of its own? then install into that one: make install SITE_TORCH=1 VENV=its folder)"
@@ -84,6 +97,10 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   # Everything but DeepSpeed, whose build must see this torch (below), and the site's torch where it has one.
   "$VENV/bin/python" -m pip install -q -r <(grep -Ev "$skip" requirements.txt)
   # PyPI's torchvision is built against a CUDA torch; a mismatched torch fails here rather than in a notebook.
+  if [[ ${SITE_TORCH:-} == 1 ]]; then
+    "$VENV/bin/python" -c 'import torchvision' 2>/dev/null \
+      || die "SITE_TORCH=1: the site's torch comes without torchvision: load the site's module that has both (Aurora: module load frameworks)"
+  fi
   "$VENV/bin/python" -c 'import torch, torchvision; torchvision.ops.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)' \
     || die "torch and torchvision do not work together; check the pair pinned in requirements.txt"
   echo "$want" > "$stamp"

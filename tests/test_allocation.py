@@ -121,10 +121,11 @@ VISIBLE = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"
 
 
 def test_amd_and_intel_nodes_take_hide_and_name_their_gpus_with_their_own_variables(monkeypatch, capsys):
-    """An AMD node's engines and launches get ROCR_VISIBLE_DEVICES (HIP_VISIBLE_DEVICES where the lab was given one:
-    HIP counts in ROCR's list), an Intel node's ZE_AFFINITY_MASK and xccl; ranks moved to the CPU are hidden in each
-    runtime's own spelling (an empty HIP_VISIBLE_DEVICES or ZE_AFFINITY_MASK hides nothing). Control: f7f8195 set
-    CUDA_VISIBLE_DEVICES on every vendor, which Intel's runtime ignores."""
+    """An AMD node's engines and launches get ROCR_VISIBLE_DEVICES (HIP_VISIBLE_DEVICES, or its alias
+    CUDA_VISIBLE_DEVICES, where the lab was given one: HIP counts in ROCR's list), an Intel node's ZE_AFFINITY_MASK
+    and xccl; ranks moved to the CPU are hidden in each runtime's own spelling (core.visible), and gloo never gets
+    XPU tensors: Intel ranks that cannot have a GPU each, and Lightning and Horovod there, run on the CPU. Control:
+    f7f8195 set CUDA_VISIBLE_DEVICES on every vendor, which Intel's runtime ignores."""
     from test_accelerator import simulate_rocm, simulate_xpu
 
     from tutorial.launch import child_processes
@@ -137,12 +138,13 @@ def test_amd_and_intel_nodes_take_hide_and_name_their_gpus_with_their_own_variab
     assert "one per GPU, RCCL" in capsys.readouterr().out
     started = engine_env(alloc, 2)["env"]
     assert started["ROCR_VISIBLE_DEVICES"] == "4,5" and not set(VISIBLE[:1] + VISIBLE[2:]) & set(started)
-    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "1")  # one GPU of the two, named in ROCR's list
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    shared = policy.allocation(2, TrainConfig.preset("workshop"))
-    assert (shared.gpus, shared.env, shared.script_env) == (("1",), "HIP_VISIBLE_DEVICES=1", "ROCR_VISIBLE_DEVICES=")
-    assert "over gloo with CUDA tensors (RCCL needs a GPU per rank)" in capsys.readouterr().out
-    assert child_processes.launcher_env()["ROCR_VISIBLE_DEVICES"] == ""
+    for alias in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):  # one GPU of the two, named in ROCR's list
+        monkeypatch.setenv(alias, "1")
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        shared = policy.allocation(2, TrainConfig.preset("workshop"))
+        assert (shared.gpus, shared.env) == (("1",), f"{alias}=1")
+        assert shared.script_env == "ROCR_VISIBLE_DEVICES= HIP_VISIBLE_DEVICES=-1"
+        assert "over gloo with CUDA tensors (RCCL needs a GPU per rank)" in capsys.readouterr().out
 
     for name in VISIBLE:
         monkeypatch.delenv(name, raising=False)
@@ -150,13 +152,27 @@ def test_amd_and_intel_nodes_take_hide_and_name_their_gpus_with_their_own_variab
     monkeypatch.setenv("ZE_AFFINITY_MASK", "0.0,0.1")  # the two tiles of Aurora's first card
     alloc = policy.allocation(2, TrainConfig.preset("workshop"))
     assert (alloc.backend, alloc.gpus, alloc.env) == ("xccl", ("0.0", "0.1"), "ZE_AFFINITY_MASK=0.0,0.1")
-    assert "one per GPU, oneCCL" in capsys.readouterr().out
+    assert alloc.cfg.backend == "auto" and "one per GPU, oneCCL" in capsys.readouterr().out
     assert engine_env(alloc, 2)["env"]["ZE_AFFINITY_MASK"] == "0.0,0.1"
-    moved = policy.allocation(3, TrainConfig.preset("workshop"), trainer="fsdp")
-    assert (moved.device, moved.env) == ("cpu", "ONEAPI_DEVICE_SELECTOR=opencl:cpu")
-    hidden = engine_env(moved, 3)["env"]
+    for ranks, trainer in ((3, "ddp"), (2, "lightning"), (2, "horovod")):
+        moved = policy.allocation(ranks, TrainConfig.preset("workshop"), trainer=trainer)
+        assert (moved.device, moved.backend, moved.env) == ("cpu", "gloo", "ONEAPI_DEVICE_SELECTOR=opencl:cpu"), trainer
+        assert "on the CPU with gloo" in capsys.readouterr().out
+    hidden = engine_env(moved, 2)["env"]
     assert hidden["ONEAPI_DEVICE_SELECTOR"] == "opencl:cpu" and "CUDA_VISIBLE_DEVICES" not in hidden
-    assert child_processes.launcher_env()["ONEAPI_DEVICE_SELECTOR"] == "opencl:cpu"
+    monkeypatch.setenv("ZE_AFFINITY_MASK", "")  # an empty mask hides nothing: both tiles
+    assert engine_options.visible_gpus() == ["0", "1"]
+
+
+def test_launches_that_must_not_see_a_gpu_hide_every_vendors_without_importing_torch():
+    """check-ddp and the rehearsal launches hide the GPUs before anything asks torch (a second's import on a CPU)."""
+    import subprocess
+    import sys
+    code = ("import sys; from tutorial.launch.child_processes import launcher_env; env = launcher_env(); "
+            "print('torch' in sys.modules, [env[k] for k in ('CUDA_VISIBLE_DEVICES', 'ROCR_VISIBLE_DEVICES', "
+            "'HIP_VISIBLE_DEVICES', 'ONEAPI_DEVICE_SELECTOR')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False ['', '', '-1', 'opencl:cpu']"
 
 
 def test_bad_input_is_one_line(gpus):
@@ -273,7 +289,8 @@ def own_decisions(cells: list[tuple[int, str]]) -> list[str]:
                 found.append(f"[{index}] chooses a backend itself: {line.strip()}")
             if px and re.search(r"\binit_process_group\(world\b", code) and "backend=" not in code:
                 found.append(f"[{index}] leaves the backend to the device (nccl on a shared GPU): {line.strip()}")
-            if LAUNCH.search(code) and not (hidden or re.search(r"alloc\.(script_)?env|CUDA_VISIBLE_DEVICES=", cell)):
+            hides = re.search(r"alloc\.(script_)?env|CUDA_VISIBLE_DEVICES=|\{cpu_only\}", cell)
+            if LAUNCH.search(code) and not (hidden or hides):
                 found.append(f"[{index}] launches with whatever GPUs the kernel sees: {line.strip()[:100]}")
     return found
 

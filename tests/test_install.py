@@ -52,3 +52,12 @@ def test_a_site_torch_the_new_venv_cannot_see_is_named_before_pypis_is_installed
     config = (tmp_path / "venv" / "pyvenv.cfg").read_text()
     assert "include-system-site-packages = true" in config
     assert not list((tmp_path / "venv").glob("lib/python*/site-packages/numpy")), "pip ran"
+
+
+def test_a_venv_made_without_the_sites_packages_is_named_not_reused(tmp_path):
+    """SITE_TORCH=1 over a .venv that an install without it made (PyPI's torch inside): it says to remove it."""
+    (tmp_path / "venv").mkdir()
+    (tmp_path / "venv" / "pyvenv.cfg").write_text("home = /usr/bin\ninclude-system-site-packages = false\n")
+    done = install(tmp_path, "1", "2.14.0+xpu")
+    assert done.returncode == 1 and f"{tmp_path / 'venv'} was made without the site's packages" in done.stderr
+    assert f"rm -rf {tmp_path / 'venv'}" in done.stderr, done.stderr

@@ -570,7 +570,7 @@ def test_the_full_node_cells_are_the_notebooks_cells():
         assert "cluster.stop()" in last or "child_processes()" in last, (notebook, last)
 
 
-HIDES_THE_GPU = ("CUDA_VISIBLE_DEVICES=", "sharded.launch(", "lesson.walltime(")
+HIDES_THE_GPU = ("CUDA_VISIBLE_DEVICES=", "{cpu_only}", "sharded.launch(", "lesson.walltime(")
 ASSIGNED = re.compile(r"^(?:global\s+)?([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*=(?!=)", re.M)
 
 

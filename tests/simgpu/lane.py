@@ -61,14 +61,14 @@ FULL_NODE_CELLS = {
     # [1] starts the engines; [45]-[52] the flight recorder's variables and the NCCL groups of a killed rank's run
     # resumed on restarted engines (lane PROMISES); [69]-[86] the exercise checkers' gloo groups beside them (a freed
     # NCCL group's address once read a gloo group as NCCL there), and the stop. Left out: the gloo groups typed by
-    # hand in [3]-[43] and the launches hidden from the GPUs (CUDA_VISIBLE_DEVICES=) in [47] and [54]-[67].
+    # hand in [3]-[43] and the launches hidden from the GPUs ({cpu_only}) in [47] and [54]-[67].
     "10_when_things_go_wrong": [*range(0, 3), 45, *range(48, 53), *range(68, 88)],
 }
 
 
 # The one-GPU run (TUTORIAL_SIMGPU=1, TUTORIAL_SIMGPU_CELLS=one-gpu) executes every cell but these: launches that a cell
-# hides from the GPU (CUDA_VISIBLE_DEVICES=, or a course helper that hides it: sharded.launch, lesson.walltime), and
-# the cells that read what they made. Under the lane's workshop-cpu such a launch trains ResNet-18 on CPU processes
+# hides from the GPU (CUDA_VISIBLE_DEVICES=, notebook.cpu_only, or a course helper that hides it: sharded.launch,
+# lesson.walltime), and the cells that read what they made. Under the lane's workshop-cpu such a launch trains ResNet-18 on CPU processes
 # (sized_for_cpu keeps a preset already sized for a CPU), which no attendee runs: on a GPU node sized_for_cpu(workshop)
 # gives the smoke preset's sizes, the very launch strict nbval runs. They cost 2.4 min of the one-GPU lane's 15.6
 # (2026-11-29, AVX2 EPYC under load): 08's torchrun and mpirun of train_lightning, 10's gloo size mismatch, lonely

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .visible import HIDDEN
+
 
 @dataclass(frozen=True)
 class Vendor:
@@ -133,27 +135,26 @@ def library_version() -> str | None:
 
 def visible_variable() -> str:
     """The variable that names the GPUs a process sees, for this torch's vendor: CUDA_VISIBLE_DEVICES on NVIDIA (and
-    on a CPU-only build, the course's default), ZE_AFFINITY_MASK on Intel; on AMD ROCR_VISIBLE_DEVICES, or
-    HIP_VISIBLE_DEVICES where this process was given one: HIP applies it on top of ROCR's list and counts in it, so
-    its names are the ones this process's GPUs have."""
+    on a CPU-only build, the course's default), ZE_AFFINITY_MASK on Intel; on AMD ROCR_VISIBLE_DEVICES, unless this
+    process was given HIP_VISIBLE_DEVICES or its alias CUDA_VISIBLE_DEVICES: HIP applies those on top of ROCR's list
+    and counts in it, so their names are the ones this process's GPUs have."""
     found = vendor() or NVIDIA
-    if found is AMD and "HIP_VISIBLE_DEVICES" in os.environ:
-        return "HIP_VISIBLE_DEVICES"
+    if found is AMD:
+        return next((name for name in ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES") if name in os.environ),
+                    "ROCR_VISIBLE_DEVICES")
     return found.visible_devices[0]
+
+
+HIDING = {"cuda": ("CUDA_VISIBLE_DEVICES",), "rocm": ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"),
+          "xpu": ("ONEAPI_DEVICE_SELECTOR",)}  # each vendor's entries of visible.HIDDEN
 
 
 def showing(gpus) -> dict[str, str]:
     """The environment a child process needs to see exactly these GPUs (named as visible_variable() names them);
-    empty gpus hide every GPU, which each runtime spells its own way: CUDA hides them all for an empty
-    CUDA_VISIBLE_DEVICES and ROCm for an empty ROCR_VISIBLE_DEVICES (an empty HIP_VISIBLE_DEVICES hides nothing,
-    ROCm/hip#3001), while an empty ZE_AFFINITY_MASK is no mask at all, so on Intel SYCL is told to use no Level Zero
-    device (ONEAPI_DEVICE_SELECTOR; from the runtimes' documentation, not tried on an Intel GPU here)."""
+    empty gpus hide every GPU, in this vendor's spelling (core.visible)."""
     if gpus:
         return {visible_variable(): ",".join(str(g) for g in gpus)}
-    found = vendor() or NVIDIA
-    if found is INTEL:
-        return {"ONEAPI_DEVICE_SELECTOR": "opencl:cpu"}
-    return {found.visible_devices[0]: ""}
+    return {name: HIDDEN[name] for name in HIDING[(vendor() or NVIDIA).key]}
 
 
 # --- bf16 and FP8 per vendor (04_mixed_precision, core.precision)

@@ -1,6 +1,7 @@
 """Where a lesson's ranks run, and with what config: the launch policy (which GPUs, which backend, which sizes) that
 every notebook asks before it starts engines or types a launch (notebook.allocation, README's allocation table), and
-that engines.start(device=..., gpus=...) and a launch's CUDA_VISIBLE_DEVICES then take as decided."""
+that engines.start(device=..., gpus=...) and a launch's visible-devices variable (CUDA_VISIBLE_DEVICES on NVIDIA)
+then take as decided."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +18,8 @@ BY_HAND = None  # allocation's trainer=None: a process group made by hand in %%p
 # (reduce-scatter and all-gather of sharded tensors, NCCL's on a GPU), Lightning ("gpu" accelerator: one device per
 # process), SyncBatchNorm (NCCL only on GPUs) or the GPT's tensor and pipeline parallel (DTensor's collectives and
 # point-to-point sends, NCCL's on a GPU): their ranks move to the CPU, sized for it, where GPUs are too few.
-GPU_SHARING_TRAINERS = ("ddp", BY_HAND)
+GPU_SHARING_TRAINERS = ("ddp", BY_HAND)  # over gloo with CUDA tensors: NVIDIA's and AMD's GPUs (gloo has no XPU)
+NO_XPU_TRAINERS = ("horovod", "lightning")  # no XPU operations in Horovod, no XPU accelerator in Lightning's core
 GPU_PRESETS = ("workshop", "benchmark")   # sized for GPUs: hours on CPU processes
 CPU_PRESET = "smoke"                      # what CPU processes train instead: the real digits, in minutes
 
@@ -39,8 +41,8 @@ class Allocation:
         """The variable for a launch typed as a ! command: the GPUs its processes may see (CUDA_VISIBLE_DEVICES=0,1
         on NVIDIA; an empty value hides them all; the vendor's variable on AMD and Intel, accelerator.showing)."""
         if self.device == "cuda":
-            return _assignments(self.gpus)
-        return _assignments(()) if visible_gpus() else ""  # nothing to hide on a CPU-only machine
+            return env_prefix(self.gpus)
+        return env_prefix(()) if visible_gpus() else ""  # nothing to hide on a CPU-only machine
 
     @property
     def script_env(self) -> str:
@@ -48,14 +50,14 @@ class Allocation:
         GPUs where there is one per rank, none where its ranks would share one (NCCL refuses that)."""
         if self.backend != "gloo":  # nccl, or xccl on Intel
             return self.env
-        return _assignments(()) if visible_gpus() else ""
+        return env_prefix(()) if visible_gpus() else ""
 
     def __repr__(self) -> str:
         return self.line
 
 
-def _assignments(gpus) -> str:
-    """accelerator.showing(gpus) as a shell command's prefix: "CUDA_VISIBLE_DEVICES=0,1"."""
+def env_prefix(gpus) -> str:
+    """accelerator.showing(gpus) as a shell command's prefix: "CUDA_VISIBLE_DEVICES=0,1"; () hides every GPU."""
     return " ".join(f"{name}={value}" for name, value in accelerator.showing(gpus).items())
 
 
@@ -81,8 +83,9 @@ def allocation(ranks: int, cfg: TrainConfig | ParallelConfig | None = None, trai
     - no GPU: the CPU with gloo, and the preset choose_preset() picked (smoke unless $TUTORIAL_PRESET says otherwise).
 
     trainer: the stage the ranks train with (ddp, horovod, fsdp, deepspeed, lightning; tp, pp, 2d, whose cfg is a
-    ParallelConfig or None), None for a group made by hand in %%px cells. Visible GPUs honour CUDA_VISIBLE_DEVICES:
-    on a shared node each attendee's JupyterLab gets its own, and the engines take only those. Use it as:
+    ParallelConfig or None), None for a group made by hand in %%px cells. Visible GPUs honour CUDA_VISIBLE_DEVICES
+    (the vendor's variable: engine_options.visible_gpus): on a shared node each attendee's JupyterLab gets its own,
+    and the engines take only those. Use it as:
 
         alloc = notebook.allocation(2, cfg)
         cluster = engines.start(n=2, device=alloc.device, gpus=alloc.gpus)
@@ -96,10 +99,13 @@ def allocation(ranks: int, cfg: TrainConfig | ParallelConfig | None = None, trai
     library, kind = found.library, found.device_type
     named = f"{len(gpus)} GPU(s) visible" + (f" ({','.join(gpus)})" if gpus else "")
     sync_bn = not gpt and trainer is not None and cfg.sync_bn
-    if len(gpus) >= ranks:
+    if found is accelerator.INTEL and trainer in NO_XPU_TRAINERS and gpus:
+        how, taken = "moved", []
+        where = f"{ranks} rank(s) on the CPU with gloo ({named}, and train_{trainer} has no Intel GPU support)"
+    elif len(gpus) >= ranks:
         how, taken = "one per GPU", gpus[:ranks]
         where = f"{ranks} rank(s) on GPU(s) {','.join(taken)}, one per GPU, {library} ({named})"
-    elif gpus and trainer in GPU_SHARING_TRAINERS and not sync_bn:
+    elif gpus and trainer in GPU_SHARING_TRAINERS and not sync_bn and kind == "cuda":  # gloo has no XPU tensors
         how, taken = "shared", gpus
         where = (f"{ranks} ranks share {named} over gloo with {kind.upper()} tensors ({library} needs a GPU per "
                  f"rank)")

@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 
 from ..core.process import open_mpi_env
+from ..core.visible import HIDDEN
 from .commands import display
 
 TAG_VARIABLE = "TUTORIAL_LAUNCH"
@@ -54,8 +55,7 @@ def launcher_env(threads: int = 1, cpu: bool = True, **extra) -> dict:
     env.update(PYTHONUNBUFFERED="1", CI=env.get("CI", "true"), OMP_NUM_THREADS=str(threads))
     env[TAG_VARIABLE] = new_tag()
     if cpu:
-        from tutorial.core import accelerator
-        env.update(accelerator.showing(()))
+        env.update(HIDDEN)  # every vendor's variables: which GPUs this machine has is not asked (no torch import)
     env = open_mpi_env(env)
     env.update({k: str(v) for k, v in extra.items()})
     return env

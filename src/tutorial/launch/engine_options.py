@@ -114,8 +114,10 @@ def visible_gpus() -> list[str]:
     engines started from it take only those GPUs (start(gpus=...))."""
     from tutorial.core import accelerator
     count = accelerator.device_count()
-    listed = os.environ.get(accelerator.visible_variable())
-    if listed is None:
+    variable = accelerator.visible_variable()
+    listed = os.environ.get(variable)
+    # An empty HIP_VISIBLE_DEVICES or ZE_AFFINITY_MASK is no mask at all (core.visible), as if it were not set
+    if listed is None or (not listed.strip() and variable in ("HIP_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")):
         return [str(i) for i in range(count)]
     # CUDA stops at the first entry it cannot use; torch's count says how many it took.
     return [name.strip() for name in listed.split(",") if name.strip()][:count]
@@ -210,7 +212,8 @@ def ipp_cluster(request: Request, tag: str):
     controller_args = ["--ports", free_ports(where.ports, request.bind)] if where.ports else []
     # The hub finishes an engine's registration at its first heartbeat: ipyparallel's 3 s period made every start wait
     # up to 3 s more per round (a 2-engine start took 8.4 s here, 4.3 s at 0.5 s). A dead engine is still declared
-    # after the same 30 s of silence (60 missed beats instead of 10), which a loaded machine needs.
+    # after the same 30 s of silence (60 missed beats instead of 10), which a loaded machine needs; an engine whose
+    # controller went silent now stops itself after about 50 s instead of 175 (its own 50 misses of the period).
     controller_args += ["--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=60"]
     return ipp.Cluster(engines=request.kind, n=request.n, controller_ip=request.bind, controller_args=controller_args,
                        delay=0, engine_timeout=math.ceil(request.timeout), log=IPP_LOG,

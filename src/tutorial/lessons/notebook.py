@@ -18,11 +18,17 @@ from pathlib import Path
 from ..core.config import TrainConfig, default_preset, parse_args
 from ..bench.record import print_table  # noqa: F401 - the notebooks' tables: notebook.print_table
 # Where a lesson's ranks go is launch policy (launch/allocation.py); the notebooks ask notebook.allocation(...).
-from ..launch.allocation import allocation, sized_for_cpu  # noqa: F401
+from ..launch.allocation import allocation, env_prefix, sized_for_cpu  # noqa: F401
 
 # The accuracy each preset reaches when training works; notebooks compare against these, not exact numbers.
 EXPECTED_ACCURACY = {"smoke": 0.95, "workshop": 0.85, "workshop-cpu": 0.0, "benchmark": 0.0}
 PACKAGE = Path(__file__).parents[1]  # src/tutorial, where the trainers are
+
+
+def cpu_only() -> str:
+    """The prefix of a ! command that keeps its processes off the GPUs: "CUDA_VISIBLE_DEVICES=" on NVIDIA, each
+    vendor's own variables on AMD and Intel (core.accelerator.showing), for launches a lesson runs on the CPU."""
+    return env_prefix(())
 
 
 def choose_preset(**overrides) -> TrainConfig:

@@ -64,9 +64,9 @@ def memory_per_rank(cfg: TrainConfig, strategy: str) -> dict:
     """Run on every engine: build the model exactly as the trainer does (its setup and build), take one optimizer
     step (so the optimizer state exists), run one more forward and backward (so the gradients exist), and return
     the bytes this rank holds (tensor bytes, on any device). On a GPU rank also `gpu_peak`, what
-    torch.accelerator.max_memory_allocated saw from the build to the last backward (activations, buckets and the allocator's
-    blocks included: what an out-of-memory error is about); None on a CPU rank. strategy: ddp, zero1, zero2, zero3 or
-    fsdp."""
+    torch.accelerator.max_memory_allocated saw from the build to the last backward (activations, buckets and the
+    allocator's blocks included: what an out-of-memory error is about); None on a CPU rank. strategy: ddp, zero1,
+    zero2, zero3 or fsdp."""
     from .. import train_ddp, train_deepspeed, train_fsdp
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not one of: {', '.join(STRATEGIES)}")
