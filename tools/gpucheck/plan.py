@@ -158,7 +158,7 @@ def probe_check(node: Node) -> Check:
 def stage_1(node: Node) -> list[Check]:
     """The core GPU paths, then the core day's notebooks."""
     first = node.visible[0]
-    refusal = "backend nccl needs a CUDA GPU" if node.rehearse else "NCCL cannot put two ranks on one GPU"
+    refusal = "backend nccl needs a GPU per rank" if node.rehearse else "NCCL cannot put two ranks on one GPU"
     resnet50 = REHEARSAL + ["--max-steps", "20", "--epochs", "1"] if node.rehearse else \
         ["--preset", "benchmark", "--max-steps", "200"]
     return [
