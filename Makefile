@@ -62,7 +62,14 @@ SIMGPU_ONE_GPU = env TUTORIAL_SIMGPU=1 TUTORIAL_SIMGPU_CELLS=one-gpu $(SIMGPU) $
 SIMGPU_FULL_NODE = env TUTORIAL_SIMGPU=8 TUTORIAL_SIMGPU_CELLS=full-node $(SIMGPU) $(call junit,simgpu-8gpu) $(FULL_NODE_NOTEBOOKS)
 SIMGPU_CPU_PART = env TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax $(CPU_LANE_NOTEBOOKS) \
 	--nbval-cell-timeout $(NBVAL_TIMEOUT) $(call junit,simgpu-cpu)
-SIMGPU_LANE = $(SIMGPU_ONE_GPU) && $(SIMGPU_FULL_NODE) && $(SIMGPU_CPU_PART)
+# The same GPU branches on an AMD node (TUTORIAL_SIMGPU_VENDOR=rocm: a ROCm build, RCCL under NCCL's name, GPUs picked
+# by ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES on top of it), where the engines' placement and hiding differ from
+# NVIDIA's: 00's and 03a's process groups on one GPU and on a full node of 8 GCDs (about a minute).
+ROCM_NOTEBOOKS = notebooks/00_setup.ipynb notebooks/03a_ddp_by_hand.ipynb
+SIMGPU_ROCM = env TUTORIAL_SIMGPU_VENDOR=rocm TUTORIAL_SIMGPU=1 TUTORIAL_SIMGPU_CELLS=one-gpu $(SIMGPU) \
+	$(call junit,simgpu-rocm-1gpu) $(ROCM_NOTEBOOKS) && env TUTORIAL_SIMGPU_VENDOR=rocm TUTORIAL_SIMGPU=8 \
+	TUTORIAL_SIMGPU_CELLS=full-node $(SIMGPU) $(call junit,simgpu-rocm-8gpu) $(ROCM_NOTEBOOKS)
+SIMGPU_LANE = $(SIMGPU_ONE_GPU) && $(SIMGPU_FULL_NODE) && $(SIMGPU_ROCM) && $(SIMGPU_CPU_PART)
 
 # The floor lane: the trainers' core paths and gpu-check's CPU rehearsal on the oldest torch the workbook supports
 # (pyproject.toml's "torch>=", the one place it is declared; the lent GPU node has 2.11), in .venv-floor, an overlay of
@@ -144,6 +151,7 @@ test-notebooks:
 	$(TIMED) nbval notebooks -- $(NBVAL) $(call junit,nbval)
 	$(TIMED) simgpu-1gpu notebooks -- $(SIMGPU_ONE_GPU)
 	$(TIMED) simgpu-8gpu notebooks -- $(SIMGPU_FULL_NODE)
+	$(TIMED) simgpu-rocm notebooks -- bash -c '$(SIMGPU_ROCM)'
 	$(TIMED) simgpu-cpu notebooks -- $(SIMGPU_CPU_PART)
 	$(TIMED) floor notebooks -- $(FLOOR_LANE)
 

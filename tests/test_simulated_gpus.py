@@ -678,3 +678,38 @@ def test_deepspeed_computes_in_bf16_on_a_simulated_gpu(tmp_path):
     """, gpus=1, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "observed cuda:0 ['bfloat16']" in out.stdout, out.stdout[-2000:]
+
+
+def test_a_simulated_amd_node_takes_and_hides_its_gpus_by_rocr_and_hip():
+    """TUTORIAL_SIMGPU_VENDOR=rocm: a ROCm build on an AMD node, whose GPUs ROCR_VISIBLE_DEVICES picks and
+    HIP_VISIBLE_DEVICES (or its alias CUDA_VISIBLE_DEVICES) picks among; an empty ROCR list hides them, an empty HIP or
+    CUDA one hides nothing. The engines that the allocation sends to the CPU see no GPU there, and those it gives a
+    GPU see theirs (ROCR_VISIBLE_DEVICES, core.accelerator.showing). Control: the spelling f7f8195 used everywhere,
+    CUDA_VISIBLE_DEVICES=, leaves the GPU visible on this node."""
+    out = python("""
+        import os, subprocess, sys
+        from tutorial.core import accelerator
+        from tutorial.launch import engines
+        from tutorial.lessons import notebook
+        print(accelerator.vendor().company, accelerator.runtime(), accelerator.device_names()[0])
+        code = "import torch; print(torch.cuda.device_count())"
+        for hide in ({"CUDA_VISIBLE_DEVICES": ""}, {"HIP_VISIBLE_DEVICES": ""}, accelerator.showing(())):
+            seen = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **hide), capture_output=True,
+                                  text=True).stdout.strip()
+            print(sorted(hide), seen)
+        os.environ.update(ROCR_VISIBLE_DEVICES="4,5,6", HIP_VISIBLE_DEVICES="1,2")  # this attendee's: GPUs 5 and 6
+        alloc = notebook.allocation(2, None, trainer="ddp")
+        with engines.start(n=2, device=alloc.device, gpus=alloc.gpus) as cluster:
+            print([(e.device.split()[0], e.gpu[-2:]) for e in cluster.engines])
+        moved = notebook.allocation(3, None, trainer="fsdp")
+        with engines.start(n=3, device=moved.device, gpus=moved.gpus) as cluster:
+            print([e.device for e in cluster.engines])
+    """, gpus=8, timeout=240, TUTORIAL_SIMGPU_VENDOR="rocm")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "AMD ROCm 6.2 AMD Instinct MI250X (simulated)", out.stdout
+    assert lines[1:4] == ["['CUDA_VISIBLE_DEVICES'] 8", "['HIP_VISIBLE_DEVICES'] 8",
+                          "['HIP_VISIBLE_DEVICES', 'ROCR_VISIBLE_DEVICES'] 0"], out.stdout
+    assert "2 rank(s) on GPU(s) 1,2, one per GPU, RCCL" in out.stdout
+    assert "[('cuda:0', '05'), ('cuda:1', '06')]" in out.stdout  # HIP's 1 and 2 of ROCR's 4,5,6: GPUs 5 and 6
+    assert "3 ranks on the CPU with gloo" in out.stdout and "['cpu', 'cpu', 'cpu']" in out.stdout

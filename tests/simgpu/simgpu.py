@@ -67,26 +67,43 @@ import time
 import types
 import weakref
 
-ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_NCCL", "TORCH_FR", "LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_LOCALID",
-                "OMPI_COMM_WORLD_LOCAL_RANK", "TUTORIAL_")
-GPU_NAME = os.environ.get("TUTORIAL_SIMGPU_NAME", "NVIDIA H100 80GB HBM3 (simulated)")
+ENV_PREFIXES = ("CUDA_", "ROCR_", "HIP_", "NCCL_", "TORCH_NCCL", "TORCH_FR", "LOCAL_RANK", "RANK", "WORLD_SIZE",
+                "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "TUTORIAL_")
+# TUTORIAL_SIMGPU_VENDOR=rocm: an AMD node's ROCm build of torch (torch.version.hip set, cuda None, RCCL under
+# NCCL's name), whose GPUs are picked by ROCR_VISIBLE_DEVICES and, on top of its list, HIP_VISIBLE_DEVICES (or its alias
+# CUDA_VISIBLE_DEVICES); an MI250X's GCDs. Default: NVIDIA's CUDA.
+VENDOR = os.environ.get("TUTORIAL_SIMGPU_VENDOR", "cuda")
+ROCM = VENDOR == "rocm"
+GPU_NAME = os.environ.get("TUTORIAL_SIMGPU_NAME",
+                          "AMD Instinct MI250X (simulated)" if ROCM else "NVIDIA H100 80GB HBM3 (simulated)")
 CAPABILITY = tuple(int(x) for x in os.environ.get("TUTORIAL_SIMGPU_CAPABILITY", "9.0").split("."))
+ARCH = "gfx90a:sramecc+:xnack-" if ROCM else ""
 MEMORY = int(os.environ.get("TUTORIAL_SIMGPU_MEMORY", 80 * 2**30))  # bytes per GPU; set low, a test meets its OOM
 
 
 def physical() -> list[int]:
     """The node's GPUs this process sees, by physical index, in CUDA_VISIBLE_DEVICES's order (read at each call:
-    the engines set it before their first CUDA call, as the real driver reads it at initialisation)."""
+    the engines set it before their first CUDA call, as the real driver reads it at initialisation). ROCm: the
+    GPUs of ROCR_VISIBLE_DEVICES (an empty one hides them all), then HIP_VISIBLE_DEVICES or CUDA_VISIBLE_DEVICES
+    picks among those by their place in that list (an empty HIP list hides nothing, as ROCm/hip#3001 found)."""
     count = int(os.environ["TUTORIAL_SIMGPU"])
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return list(range(count))
+    if not ROCM:
+        return _indices(os.environ.get("CUDA_VISIBLE_DEVICES"), list(range(count)))
+    seen = _indices(os.environ.get("ROCR_VISIBLE_DEVICES"), list(range(count)))
+    on_top = next((os.environ[n] for n in ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES") if os.environ.get(n)), None)
+    return _indices(on_top, seen)
+
+
+def _indices(listed: str | None, among: list[int]) -> list[int]:
+    """The members of `among` a visible-devices list names by position; None: all of them."""
+    if listed is None:
+        return among
     chosen = []
-    for item in visible.split(","):
+    for item in listed.split(","):
         item = item.strip()
-        if not item.isdigit() or int(item) >= count:
+        if not item.isdigit() or int(item) >= len(among):
             break  # the driver stops at the first index it does not know
-        chosen.append(int(item))
+        chosen.append(among[int(item)])
     return chosen
 
 
@@ -167,7 +184,7 @@ def properties(device=None):
     lazy_init()
     return types.SimpleNamespace(name=GPU_NAME, total_memory=MEMORY, major=CAPABILITY[0], minor=CAPABILITY[1],
                                  multi_processor_count=132, uuid=uuid(index), is_integrated=False,
-                                 L2_cache_size=50 * 2**20, gcnArchName="")
+                                 L2_cache_size=50 * 2**20, gcnArchName=ARCH)
 
 
 class Event:
@@ -1198,10 +1215,18 @@ def record(entry: dict) -> None:
         return
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
     entry = dict(entry, pid=os.getpid(), host=socket.gethostname(), time=time.time(), node_gpus=int(os.environ[
-        "TUTORIAL_SIMGPU"]), visible=os.environ.get("CUDA_VISIBLE_DEVICES"), uuids=[uuid(i) for i in range(
+        "TUTORIAL_SIMGPU"]), visible=_visible_variables(), uuids=[uuid(i) for i in range(
         len(physical()))], current=current_device(), env=env, argv=sys.argv[:3])
     with open(path, "a") as f:  # one write of one line: lines from many processes do not interleave
         f.write(json.dumps(entry, default=str) + "\n")
+
+
+def _visible_variables():
+    """CUDA_VISIBLE_DEVICES as it is set (or None); on ROCm every variable that picks the GPUs, as NAME=value."""
+    if not ROCM:
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+    return " ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ) or None
 
 
 def _caller() -> str:
@@ -1352,6 +1377,8 @@ def install() -> None:
     if SimCuda is not None:
         return
     SimCuda, _Tensor, _Parameter = _tensor_classes(torch), torch.Tensor, torch.nn.Parameter
+    if ROCM:  # what a ROCm build says of itself: core.accelerator tells AMD from NVIDIA by torch.version.hip alone
+        torch.version.hip, torch.version.cuda = "6.2.41133-simulated", None
     _mode = _mode_class(torch)()
     _patch_cuda(torch)
     _patch_distributed(torch)
