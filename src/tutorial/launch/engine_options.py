@@ -212,8 +212,8 @@ def ipp_cluster(request: Request, tag: str):
     controller_args = ["--ports", free_ports(where.ports, request.bind)] if where.ports else []
     # The hub finishes an engine's registration at its first heartbeat: ipyparallel's 3 s period made every start wait
     # up to 3 s more per round (a 2-engine start took 8.4 s here, 4.3 s at 0.5 s). A dead engine is still declared
-    # after the same 30 s of silence (60 missed beats instead of 10), which a loaded machine needs; an engine whose
-    # controller went silent now stops itself after about 50 s instead of 175 (its own 50 misses of the period).
+    # after the same 30 s of silence (60 missed beats instead of 10), which a loaded machine needs; the engines keep
+    # their own 175 s (ipp_config).
     controller_args += ["--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=60"]
     return ipp.Cluster(engines=request.kind, n=request.n, controller_ip=request.bind, controller_args=controller_args,
                        delay=0, engine_timeout=math.ceil(request.timeout), log=IPP_LOG,
@@ -242,6 +242,9 @@ def ipp_config(request: Request, tag: str):
     config.MPIEngineSetLauncher.mpi_args = list(mpi_args)
     # Engines keep no state worth saving: SIGKILL 1 s after SIGTERM (the default 5 s adds up over restarts).
     config.LocalProcessLauncher.stop_seconds_until_kill = 1
+    # An engine stops itself after this many missed checks of the hub's heartbeat, each the hub's period + 0.5 s: at
+    # ipp_cluster's 0.5 s period, 175 keeps ipyparallel's own 175 s of silence (50 checks of 3.5 s) before it gives up.
+    config.EngineLauncher.engine_args = ["--IPEngine.max_heartbeat_misses=175"]
     if kind in BATCH_KINDS:  # the filled-in batch script goes to /tmp, not into whatever folder the notebook is in
         safe = re.sub(r"[^\w.-]", "-", tag)
         config[find_launcher_class(kind, "engine").__name__].batch_file_name = \
