@@ -1284,6 +1284,9 @@ def _patch_distributed(torch) -> None:
         record(dict(kind=kind, backend=backend, rank=rank, world=world, group=f"{seen[0][2]}-{seen[0][3]}",
                     refused=refusal, caller=_caller()))
         if refusal:
+            # the gloo group under the refused one goes now: left to the interpreter's exit, its teardown aborts
+            # (SIGABRT, 2 runs in 10 of the shared-GPU test) while the other rank's sockets close
+            dist.destroy_process_group(group)
             raise dist.DistBackendError(refusal)
         if backend == "nccl":
             NCCL_GROUPS[id(group)] = group
