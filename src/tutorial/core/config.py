@@ -157,8 +157,9 @@ class TrainConfig:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} {getattr(self, name)} is not used by train_{stage}; it works in "
                                   f"{', '.join('train_' + s for s in stages)} (leave it at its default here)")
-        if self.sync_bn and device is not None and device.type != "cuda":
-            raise ConfigError("sync-bn needs GPUs: SyncBatchNorm (torch's and Horovod's) works on CUDA tensors only")
+        if self.sync_bn and device is not None and device.type not in ("cuda", "xpu"):
+            raise ConfigError("sync-bn needs GPUs: SyncBatchNorm (torch's and Horovod's) works on GPU tensors only "
+                              "(NVIDIA's and AMD's, and torch's on Intel's)")
         return self
 
     @property

@@ -21,6 +21,7 @@ import torch
 from filelock import FileLock, Timeout
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from . import accelerator
 from .config import ConfigError, TrainConfig
 
 
@@ -230,7 +231,7 @@ def make_loader(dataset, cfg: TrainConfig, device: torch.device, sampler=None, b
         batch_size=batch_size or cfg.batch_size,
         sampler=sampler,
         num_workers=cfg.workers,
-        pin_memory=cfg.pin_memory and device.type == "cuda",
+        pin_memory=cfg.pin_memory and device.type in accelerator.GPU_DEVICE_TYPES,  # for torch's accelerator
         persistent_workers=cfg.workers > 0,
         worker_init_fn=leave_sigterm_to_the_trainer if cfg.workers > 0 else None,
         multiprocessing_context=start_method if cfg.workers > 0 else None,
