@@ -54,7 +54,7 @@ def test_no_gpu_runs_the_cpu_preset_over_gloo(gpus, capsys):
 def test_one_gpu_for_two_ddp_ranks_shares_it_over_gloo(gpus, capsys):
     gpus(1)
     alloc = policy.allocation(2, TrainConfig.preset("workshop"))
-    assert (alloc.device, alloc.backend, alloc.gpus) == ("cuda", "gloo", ("0",))
+    assert (alloc.device, alloc.backend, alloc.gpus) == ("gpu", "gloo", ("0",))
     assert alloc.cfg.backend == "gloo" and alloc.cfg.preset_name == "workshop"  # the trainer gets --backend gloo
     assert alloc.env == "CUDA_VISIBLE_DEVICES=0"
     assert "--backend gloo" in " ".join(to_argv(alloc.cfg))
@@ -94,7 +94,7 @@ def test_enough_gpus_one_rank_per_gpu_over_nccl(gpus, capsys):
     cfg = TrainConfig.preset("workshop")
     for trainer in ("ddp", "horovod", "fsdp", "deepspeed", "lightning", None):
         alloc = policy.allocation(2, cfg, trainer)
-        assert (alloc.device, alloc.backend, alloc.gpus, alloc.cfg) == ("cuda", "nccl", ("0", "1"), cfg)
+        assert (alloc.device, alloc.backend, alloc.gpus, alloc.cfg) == ("gpu", "nccl", ("0", "1"), cfg)
     assert policy.allocation(8, cfg).gpus == tuple("01234567")
     assert "8 rank(s) on GPU(s) 0,1,2,3,4,5,6,7, one per GPU, NCCL" in capsys.readouterr().out
     started = engine_env(policy.allocation(2, cfg), 2)
@@ -105,14 +105,14 @@ def test_a_shared_node_uses_only_the_attendees_gpus(gpus, capsys):
     gpus(2, visible="4,5")  # the instructor started this attendee's JupyterLab with CUDA_VISIBLE_DEVICES=4,5
     assert engines.visible_gpus() == ["4", "5"]
     alloc = policy.allocation(2, TrainConfig.preset("workshop"))
-    assert (alloc.device, alloc.backend, alloc.gpus, alloc.env) == ("cuda", "nccl", ("4", "5"),
+    assert (alloc.device, alloc.backend, alloc.gpus, alloc.env) == ("gpu", "nccl", ("4", "5"),
                                                                     "CUDA_VISIBLE_DEVICES=4,5")
     assert "GPU(s) 4,5" in capsys.readouterr().out
     assert engine_env(alloc, 2)["env"]["CUDA_VISIBLE_DEVICES"] == "4,5"  # not 0 and 1, another attendee's
     # One GPU given, two ranks: they share GPU 5, not GPU 0.
     gpus(1, visible="GPU-5f1e,GPU-0aa")  # UUIDs too; CUDA took only the first
     alloc = policy.allocation(2, TrainConfig.preset("workshop"))
-    assert (alloc.device, alloc.backend, alloc.gpus) == ("cuda", "gloo", ("GPU-5f1e",))
+    assert (alloc.device, alloc.backend, alloc.gpus) == ("gpu", "gloo", ("GPU-5f1e",))
     with pytest.raises(engines.ClusterError, match="GPU '3' is not visible here; choose from: GPU-5f1e"):
         engine_options.engine_count(2, "local", "auto", gpus=["3"])
 
@@ -194,7 +194,7 @@ def test_the_gpt_trainers_get_their_own_config_with_the_backend_and_no_preset(gp
     trainer, or a ParallelConfig for an image trainer, is refused in one line."""
     assert notebook.allocation is policy.allocation and notebook.sized_for_cpu is policy.sized_for_cpu
     pcfg = ParallelConfig(steps=3)
-    for n, device, backend in ((0, "cpu", "gloo"), (1, "cpu", "gloo"), (8, "cuda", "nccl")):
+    for n, device, backend in ((0, "cpu", "gloo"), (1, "cpu", "gloo"), (8, "gpu", "nccl")):
         gpus(n)
         alloc = policy.allocation(2, pcfg, trainer="tp")
         assert (alloc.device, alloc.backend, alloc.cfg) == (device, backend, pcfg.replace(backend=backend))

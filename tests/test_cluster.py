@@ -128,7 +128,7 @@ def test_gpus_required_but_missing_or_too_few(monkeypatch):
     before = leftovers()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    with pytest.raises(ClusterError, match="device='cuda' needs GPUs"):
+    with pytest.raises(ClusterError, match="device='gpu' needs GPUs"):
         cluster_mod.start(n=1, device="cuda")
     # A node with one GPU and two engines asked for: they would share it.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -28,7 +28,7 @@ CPU_PRESET = "smoke"                      # what CPU processes train instead: th
 class Allocation:
     """What a lesson's ranks run on, and the config they train with (allocation() decides)."""
     ranks: int
-    device: str              # "cuda" or "cpu": engines.start(device=...)
+    device: str              # "gpu" or "cpu": engines.start(device=...)
     backend: str             # "nccl" (one rank per GPU; "xccl" on Intel) or "gloo" (CPU, or ranks sharing a GPU)
     gpus: tuple              # the GPUs the ranks take, as visible_gpus() names them: engines.start(gpus=...)
     # The image trainers' TrainConfig with the backend, and CPU sizes where the ranks run on CPUs; for the GPT
@@ -40,7 +40,7 @@ class Allocation:
     def env(self) -> str:
         """The variable for a launch typed as a ! command: the GPUs its processes may see (CUDA_VISIBLE_DEVICES=0,1
         on NVIDIA; an empty value hides them all; the vendor's variable on AMD and Intel, accelerator.showing)."""
-        if self.device == "cuda":
+        if self.device == "gpu":
             return env_prefix(self.gpus)
         return env_prefix(()) if visible_gpus() else ""  # nothing to hide on a CPU-only machine
 
@@ -120,7 +120,7 @@ def allocation(ranks: int, cfg: TrainConfig | ParallelConfig | None = None, trai
         where = f"{ranks} rank(s) on the CPU with gloo (no GPU visible)"
     backend = accelerator.backend() if how == "one per GPU" else "gloo"  # nccl, or xccl on Intel
     cfg, what = _config(cfg, trainer, how, backend)
-    alloc = Allocation(ranks, "cuda" if taken else "cpu", backend, tuple(taken), cfg, f"allocation: {where}{what}")
+    alloc = Allocation(ranks, "gpu" if taken else "cpu", backend, tuple(taken), cfg, f"allocation: {where}{what}")
     print(alloc.line)
     return alloc
 
@@ -143,7 +143,7 @@ def _config(cfg, trainer: str | None, how: str, backend: str) -> tuple:
     if trainer in GPT_STAGES:  # the GPT's sizes fit a CPU as they are; it has no presets
         return (cfg.replace(backend=backend) if cfg is not None else None), ""
     if how == "moved":
-        small = sized_for_cpu(cfg).replace(sync_bn=False)  # SyncBatchNorm works on CUDA tensors only
+        small = sized_for_cpu(cfg).replace(sync_bn=False)  # SyncBatchNorm works on GPU tensors only
         return small, (f"; preset {small.preset_name}: its sizes on the real digits, where learning shows"
                        + ("; SyncBatchNorm off" if cfg.sync_bn else ""))
     if how == "shared" and trainer is not None:  # the trainer's default backend on a GPU would be NCCL

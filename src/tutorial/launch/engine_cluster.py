@@ -127,8 +127,8 @@ class Cluster:
         infos = dict(zip(ids, self._ask(_probe, [(i, ()) for i in ids], "pid, host and GPUs", self.request.timeout)))
         without = sorted({infos[i]["host"] for i in ids if not infos[i]["gpus"]})
         if self.use_cuda and without:  # engines on other nodes: only now do we know their GPUs
-            if self.request.device == "cuda":
-                raise RankError(f"device='cuda' but {', '.join(without)} has no GPU (device='auto' uses the CPU there)")
+            if self.request.device == "gpu":
+                raise RankError(f"device='gpu' but {', '.join(without)} has no GPU (device='auto' uses the CPU there)")
             self.use_cuda = False  # device='auto' on nodes without GPUs means the CPU
         order = self._rank_order(infos)
         hosts = {}

@@ -21,7 +21,8 @@ from ..core.process import open_mpi_env, threads_per_process
 from . import child_processes
 
 ENGINE_KINDS = ("local", "mpi", "slurm", "pbs")
-DEVICES = ("auto", "cuda", "cpu")
+DEVICES = ("auto", "gpu", "cpu")
+GPU_NAMES = ("cuda", "xpu")  # torch's names of a GPU (NVIDIA's and AMD's, Intel's): each means device="gpu"
 ON_FAILURE = ("restart", "stop")
 BATCH_KINDS = ("slurm", "pbs")
 # The program each kind of engines needs here, and where to get it.
@@ -91,6 +92,7 @@ def check(n, engines: str, *, device: str, gpus, timeout: float, run_timeout: fl
     named = {f.name for f in fields(Where)} - {"ipp"}  # the rest are ipyparallel.Cluster's
     place = Where(**{k: v for k, v in where.items() if k in named},
                   ipp={k: v for k, v in where.items() if k not in named})
+    device = "gpu" if device in GPU_NAMES else device
     n, use_cuda = engine_count(n, engines, device, elsewhere=engines == "mpi" and bool(place.mpi_args), gpus=gpus)
     if on_failure not in ON_FAILURE:
         raise ClusterError(f"on_failure {on_failure!r} is not one of: {', '.join(ON_FAILURE)}")
@@ -131,7 +133,7 @@ def engine_count(n, kind: str, device: str, elsewhere: bool = False, gpus=None) 
     if kind not in ENGINE_KINDS:
         raise ClusterError(f"engines {kind!r} is not one of: {', '.join(ENGINE_KINDS)}")
     if device not in DEVICES:
-        raise ClusterError(f"device {device!r} is not one of: {', '.join(DEVICES)}")
+        raise ClusterError(f"device {device!r} is not one of: {', '.join(DEVICES)} (cuda and xpu mean gpu)")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ClusterError(f"n (the number of engines) must be a whole number of at least 1, got {n!r}")
     if gpus is not None:
@@ -144,8 +146,8 @@ def engine_count(n, kind: str, device: str, elsewhere: bool = False, gpus=None) 
             raise ClusterError(f"GPU {unknown[0]!r} is not visible here; choose from: "
                                f"{', '.join(visible_gpus()) or 'none (no GPU visible)'}")
         if not gpus:
-            if device == "cuda":
-                raise ClusterError("device='cuda' needs GPUs, but gpus=[] names none")
+            if device == "gpu":
+                raise ClusterError("device='gpu' needs GPUs, but gpus=[] names none")
             return (n or 2), False
         return (n or len(gpus)), True
     if kind in BATCH_KINDS or elsewhere:
@@ -155,8 +157,8 @@ def engine_count(n, kind: str, device: str, elsewhere: bool = False, gpus=None) 
         return n, device != "cpu"
     from tutorial.core import accelerator
     gpus = accelerator.device_count() if device != "cpu" else 0
-    if device == "cuda" and gpus == 0:
-        raise ClusterError("device='cuda' needs GPUs, but none is visible here (device='auto' uses the CPU)")
+    if device == "gpu" and gpus == 0:
+        raise ClusterError("device='gpu' needs GPUs, but none is visible here (device='auto' uses the CPU)")
     if gpus == 0:
         return (n or 2), False
     if (n or gpus) > gpus:
