@@ -63,13 +63,18 @@ SIMGPU_FULL_NODE = env TUTORIAL_SIMGPU=8 TUTORIAL_SIMGPU_CELLS=full-node $(SIMGP
 SIMGPU_CPU_PART = env TUTORIAL_PRESET=workshop-cpu $(BIN)/python -m pytest --nbval-lax $(CPU_LANE_NOTEBOOKS) \
 	--nbval-cell-timeout $(NBVAL_TIMEOUT) $(call junit,simgpu-cpu)
 # The same GPU branches on an AMD node (TUTORIAL_SIMGPU_VENDOR=rocm: a ROCm build, RCCL under NCCL's name, GPUs picked
-# by ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES on top of it), where the engines' placement and hiding differ from
-# NVIDIA's: 00's and 03a's process groups on one GPU and on a full node of 8 GCDs (about a minute).
-ROCM_NOTEBOOKS = notebooks/00_setup.ipynb notebooks/03a_ddp_by_hand.ipynb
-SIMGPU_ROCM = env TUTORIAL_SIMGPU_VENDOR=rocm TUTORIAL_SIMGPU=1 TUTORIAL_SIMGPU_CELLS=one-gpu $(SIMGPU) \
-	$(call junit,simgpu-rocm-1gpu) $(ROCM_NOTEBOOKS) && env TUTORIAL_SIMGPU_VENDOR=rocm TUTORIAL_SIMGPU=8 \
-	TUTORIAL_SIMGPU_CELLS=full-node $(SIMGPU) $(call junit,simgpu-rocm-8gpu) $(ROCM_NOTEBOOKS)
-SIMGPU_LANE = $(SIMGPU_ONE_GPU) && $(SIMGPU_FULL_NODE) && $(SIMGPU_ROCM) && $(SIMGPU_CPU_PART)
+# by ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES on top of it) and an Intel node (xpu: an XPU build, "xpu" tensors,
+# oneCCL's xccl, tiles picked by ZE_AFFINITY_MASK and hidden by ONEAPI_DEVICE_SELECTOR, "cuda" refused), where the
+# engines' placement and hiding, the backend and the device type differ from NVIDIA's: 00 (the doctor) on one GPU,
+# and 00, 03a and the full-node cells of 03b and 10 on a full node (8 GCDs; Aurora's 12 tiles).
+vendor_run = env TUTORIAL_SIMGPU_VENDOR=$(1) TUTORIAL_SIMGPU=$(2) TUTORIAL_SIMGPU_CELLS=$(3) $(SIMGPU) \
+	$(call junit,simgpu-$(1)-$(2)gpu) $(4)
+VENDOR_NOTEBOOKS = notebooks/00_setup.ipynb notebooks/03a_ddp_by_hand.ipynb notebooks/03b_ddp_trainer.ipynb \
+	notebooks/10_when_things_go_wrong.ipynb
+SIMGPU_VENDORS = $(call vendor_run,rocm,1,one-gpu,notebooks/00_setup.ipynb) && \
+	$(call vendor_run,rocm,8,full-node,$(VENDOR_NOTEBOOKS)) && \
+	$(call vendor_run,xpu,1,one-gpu,notebooks/00_setup.ipynb) && $(call vendor_run,xpu,12,full-node,$(VENDOR_NOTEBOOKS))
+SIMGPU_LANE = $(SIMGPU_ONE_GPU) && $(SIMGPU_FULL_NODE) && $(SIMGPU_VENDORS) && $(SIMGPU_CPU_PART)
 
 # The floor lane: the trainers' core paths and gpu-check's CPU rehearsal on the oldest torch the workbook supports
 # (pyproject.toml's "torch>=", the one place it is declared; the lent GPU node has 2.11), in .venv-floor, an overlay of
@@ -151,7 +156,7 @@ test-notebooks:
 	$(TIMED) nbval notebooks -- $(NBVAL) $(call junit,nbval)
 	$(TIMED) simgpu-1gpu notebooks -- $(SIMGPU_ONE_GPU)
 	$(TIMED) simgpu-8gpu notebooks -- $(SIMGPU_FULL_NODE)
-	$(TIMED) simgpu-rocm notebooks -- bash -c '$(SIMGPU_ROCM)'
+	$(TIMED) simgpu-vendors notebooks -- bash -c '$(SIMGPU_VENDORS)'
 	$(TIMED) simgpu-cpu notebooks -- $(SIMGPU_CPU_PART)
 	$(TIMED) floor notebooks -- $(FLOOR_LANE)
 

@@ -526,13 +526,17 @@ def test_the_lanes_check_is_readmes_allocation_table():
     assert lane.table_problems(group_of("nccl", *full)) == []
     assert lane.table_problems(group_of("gloo", *full)) == [
         "cell 7: init_process_group of 2 ranks: every rank has a GPU of its own (2 on the node), but the backend is "
-        "gloo (README: one rank per GPU, NCCL), made by tutorial.train_ddp"]
+        "gloo (README: one rank per GPU, NCCL, or xccl on Intel), made by tutorial.train_ddp"]
     assert lane.table_problems(group_of("gloo", *shared)) == []
-    assert lane.table_problems(group_of("nccl", *shared)) == ["cell 7: init_process_group of 2 ranks: NCCL with ranks "
+    assert lane.table_problems(group_of("nccl", *shared)) == ["cell 7: init_process_group of 2 ranks: nccl with ranks "
                                                               "sharing a GPU"]
     assert lane.table_problems(group_of("gloo", *cpu)) == []
-    assert lane.table_problems(group_of("nccl", *cpu)) == ["cell 7: init_process_group of 2 ranks: NCCL on a rank "
+    assert lane.table_problems(group_of("nccl", *cpu)) == ["cell 7: init_process_group of 2 ranks: nccl on a rank "
                                                            "that sees no GPU"]
+    # an Intel node's row: oneCCL's xccl in NCCL's place, held to the same rules
+    assert lane.table_problems(group_of("xccl", *full)) == []
+    assert lane.table_problems(group_of("xccl", *shared)) == ["cell 7: init_process_group of 2 ranks: xccl with ranks "
+                                                              "sharing a GPU"]
     # a cell's own group (its lesson chose gloo) is not the table's business; a trainer's is
     assert lane.table_problems(group_of("gloo", *full, caller="__main__")) == []
     # a lesson helper's group is the table's business too, unless the lane names it as gloo on purpose
@@ -713,3 +717,70 @@ def test_a_simulated_amd_node_takes_and_hides_its_gpus_by_rocr_and_hip():
     assert "2 rank(s) on GPU(s) 1,2, one per GPU, RCCL" in out.stdout
     assert "[('cuda:0', '05'), ('cuda:1', '06')]" in out.stdout  # HIP's 1 and 2 of ROCR's 4,5,6: GPUs 5 and 6
     assert "3 ranks on the CPU with gloo" in out.stdout and "['cpu', 'cpu', 'cpu']" in out.stdout
+
+
+def test_a_simulated_intel_node_uses_xpu_and_xccl_and_hides_its_tiles_by_the_selector(tmp_path):
+    """TUTORIAL_SIMGPU_VENDOR=xpu: an XPU build on an Intel node (Aurora's: 12 tiles, each a device to torch): tensors
+    are "xpu", collectives oneCCL's xccl, ZE_AFFINITY_MASK picks the tiles and ONEAPI_DEVICE_SELECTOR=opencl:cpu hides
+    them all (an empty mask is no mask). Engines given a tile each see theirs and make an xccl group; ranks the
+    allocation sends to the CPU see none. Controls: code that names "cuda" fails on this node, as it does on Aurora;
+    the spelling f7f8195 used everywhere, CUDA_VISIBLE_DEVICES=, hides nothing here; NCCL is not built in; the question
+    f7f8195's cells asked, torch.cuda.is_available(), is recorded and fails the lane (it answers False on Aurora, and
+    the cell's work went to the CPU without a word), while torch's own calls to torch.cuda are not."""
+    record = tmp_path / "record.jsonl"
+    out = python("""
+        import os, subprocess, sys, torch, torch.distributed as dist
+        print("asked", torch.cuda.is_available())  # f7f8195's way to find the GPU
+        with torch.autocast("xpu", dtype=torch.bfloat16):  # torch asks torch.cuda inside: not the course's question
+            pass
+        from tutorial.core import accelerator
+        from tutorial.launch import engines
+        from tutorial.lessons import notebook
+        print(accelerator.vendor().company, accelerator.runtime(), accelerator.backend(), accelerator.device_names()[0])
+        code = "import torch; print(torch.accelerator.device_count())"
+        for hide in ({"CUDA_VISIBLE_DEVICES": ""}, {"ZE_AFFINITY_MASK": ""}, accelerator.showing(())):
+            seen = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **hide), capture_output=True,
+                                  text=True).stdout.strip()
+            print(sorted(hide), seen)
+        for bad in (lambda: torch.ones(1, device="cuda"), lambda: torch.ones(1).cuda(),
+                    lambda: dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)):
+            try:
+                bad()
+            except (AssertionError, RuntimeError) as exc:
+                print("refused:", str(exc).split(" (simulated")[0])
+        os.environ["ZE_AFFINITY_MASK"] = "4,5,6"  # this attendee's three tiles
+        alloc = notebook.allocation(2, None, trainer="ddp")
+        with engines.start(n=2, device=alloc.device, gpus=alloc.gpus) as cluster:
+            print([(e.device.split()[0], e.gpu[-2:]) for e in cluster.engines])
+            def pair():
+                import torch, torch.distributed as dist
+                from tutorial.core import distributed
+                world = distributed.world_from_env()
+                device = distributed.pick_device(world.local_rank, world.local_world_size)
+                distributed.init_process_group(world, device)
+                t = torch.ones(1, device=device)
+                dist.all_reduce(t)
+                return dist.get_backend(), str(t.device), t.item()
+            print(cluster.run(pair))
+        moved = notebook.allocation(4, None, trainer="ddp")  # more ranks than tiles: no sharing over gloo on XPU
+        with engines.start(n=4, device=moved.device, gpus=moved.gpus) as cluster:
+            print([e.device for e in cluster.engines])
+    """, gpus=12, record=record, timeout=240, TUTORIAL_SIMGPU_VENDOR="xpu")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines.pop(0) == "asked False"
+    asked = [dict(e, cell=3) for e in records(record) if e["kind"] == "cuda asked"]
+    assert [(e["asked"], e["where"]) for e in asked] == [("torch.cuda.is_available", "__main__:<module>:3")]
+    assert lane.problems_of("00_setup", asked) == [
+        "cell 3: torch.cuda.is_available() asked on an Intel node, where it answers as a build without CUDA (no GPU), "
+        "so the work runs on the CPU unawares; ask torch.accelerator (__main__:<module>:3)"]
+    assert lines[0] == "Intel XPU on Level Zero, SYCL 20250101-simulated xccl Intel(R) Data Center GPU Max 1550 " \
+                       "(simulated)", out.stdout
+    assert lines[1:4] == ["['CUDA_VISIBLE_DEVICES'] 12", "['ZE_AFFINITY_MASK'] 12", "['ONEAPI_DEVICE_SELECTOR'] 0"], \
+        out.stdout
+    assert lines[4:7] == ["refused: Torch not compiled with CUDA enabled"] * 2 + [
+        "refused: Distributed package doesn't have NCCL built in"], out.stdout
+    assert "2 rank(s) on GPU(s) 4,5, one per GPU, oneCCL" in out.stdout, out.stdout
+    assert "[('xpu:0', '04'), ('xpu:1', '05')]" in out.stdout, out.stdout  # the engines see both, use one each
+    assert "('xccl', 'xpu:0', 2.0)" in out.stdout, out.stdout
+    assert "4 ranks on the CPU with gloo" in out.stdout and "['cpu', 'cpu', 'cpu', 'cpu']" in out.stdout, out.stdout

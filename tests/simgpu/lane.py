@@ -100,6 +100,10 @@ DELIBERATE_GLOO = {
 }
 
 
+# The GPUs' own collective libraries: NCCL (RCCL on AMD, under NCCL's name) and oneCCL's xccl on Intel.
+GPU_LIBRARIES = ("nccl", "xccl")
+
+
 def held_to_the_table(caller: str) -> bool:
     return caller.startswith("tutorial.") and caller not in DELIBERATE_GLOO
 
@@ -127,16 +131,18 @@ def table_problems(entries: list[dict]) -> list[str]:
         if first["world"] < 2 or not held_to_the_table(caller):
             continue
         own = [m["uuids"][m["current"]] if m["uuids"] else None for m in members]
+        library = first["backend"] in GPU_LIBRARIES
         if any(u is None for u in own):
-            if first["backend"] == "nccl":
-                problems.append(f"{where}: NCCL on a rank that sees no GPU")
+            if library:
+                problems.append(f"{where}: {first['backend']} on a rank that sees no GPU")
             continue
         distinct = len(set(own)) == len(own)
-        if distinct and first["backend"] != "nccl" and first["node_gpus"] >= first["world"]:
+        if distinct and not library and first["node_gpus"] >= first["world"]:
             problems.append(f"{where}: every rank has a GPU of its own ({first['node_gpus']} on the node), but "
-                            f"the backend is {first['backend']} (README: one rank per GPU, NCCL), made by {caller}")
-        if not distinct and first["backend"] == "nccl":
-            problems.append(f"{where}: NCCL with ranks sharing a GPU")
+                            f"the backend is {first['backend']} (README: one rank per GPU, NCCL, or xccl on Intel), "
+                            f"made by {caller}")
+        if not distinct and library:
+            problems.append(f"{where}: {first['backend']} with ranks sharing a GPU")
     return problems
 
 
@@ -169,6 +175,10 @@ def problems_of(notebook: str, entries: list[dict], allocates: bool = False) -> 
         for e in entries:
             if e.get("cell", -1) >= start and applies(e) and check(e):
                 problems.append(f"{what} (cell {start}), but cell {e['cell']}: {check(e)}")
+    asked = {(e["cell"], e["asked"], e["where"]) for e in entries if e.get("kind") == "cuda asked"}
+    problems += [f"cell {cell}: {what}() asked on an Intel node, where it answers as a build without CUDA (no GPU), so "
+                 f"the work runs on the CPU unawares; ask torch.accelerator ({where})" for cell, what, where in
+                 sorted(asked)]
     refused = [e for e in entries if e.get("refused")]
     problems += [f"cell {e['cell']}: rank {e.get('rank', '?')} refused: {e['refused']}" for e in refused]
     return problems

@@ -34,6 +34,12 @@ refused and with which words, autocast's dtypes, memory_allocated at each phase 
 initialisation, NCCL's refusals, DDP's buckets); an H200's answers (results/simgpu_vs_cuda.json, 2026-11-29) and
 the simulation's must agree, apart from what this docstring says is left out (test_simulated_gpus).
 
+Other vendors (TUTORIAL_SIMGPU_VENDOR): rocm, an AMD node's ROCm build (torch.cuda's API, torch.version.hip, RCCL
+under NCCL's name, ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES); xpu, an Intel node's XPU build (torch.xpu's API,
+"xpu" tensors, oneCCL's xccl over gloo, ZE_AFFINITY_MASK picking tiles and ONEAPI_DEVICE_SELECTOR hiding them;
+"cuda" refused, as a build without CUDA refuses it). What is said above of CUDA and NCCL holds for them with their
+names, except that two ranks on one tile are not refused (oneCCL's answer is not known here: lane.py refuses it).
+
 Every process group made is recorded, one JSON line per rank in $TUTORIAL_SIMGPU_RECORD: the backend asked and the
 device, the GPUs the rank sees, its environment's GPU and NCCL variables, and whether it was refused. The lane
 (tests/simgpu/lane.py) checks the records against README's allocation table.
@@ -71,14 +77,22 @@ ENV_PREFIXES = ("CUDA_", "ROCR_", "HIP_", "NCCL_", "TORCH_NCCL", "TORCH_FR", "LO
                 "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "TUTORIAL_")
 # TUTORIAL_SIMGPU_VENDOR=rocm: an AMD node's ROCm build of torch (torch.version.hip set, cuda None, RCCL under
 # NCCL's name), whose GPUs are picked by ROCR_VISIBLE_DEVICES and, on top of its list, HIP_VISIBLE_DEVICES (or its alias
-# CUDA_VISIBLE_DEVICES); an MI250X's GCDs. Default: NVIDIA's CUDA.
+# CUDA_VISIBLE_DEVICES); an MI250X's GCDs. TUTORIAL_SIMGPU_VENDOR=xpu: an Intel node's XPU build (Aurora's: 6 Data
+# Center GPU Max 1550, 12 tiles, each a device of its own to torch), whose tensors are "xpu", whose collectives are
+# oneCCL's behind the "xccl" backend, whose GPUs ZE_AFFINITY_MASK picks and ONEAPI_DEVICE_SELECTOR hides; torch.cuda
+# sees nothing there (a CPU build for CUDA: "cuda" tensors are refused as on such a node). Default: NVIDIA's CUDA.
 VENDOR = os.environ.get("TUTORIAL_SIMGPU_VENDOR", "cuda")
-ROCM = VENDOR == "rocm"
-GPU_NAME = os.environ.get("TUTORIAL_SIMGPU_NAME",
-                          "AMD Instinct MI250X (simulated)" if ROCM else "NVIDIA H100 80GB HBM3 (simulated)")
+ROCM, XPU = VENDOR == "rocm", VENDOR == "xpu"
+DEV = "xpu" if XPU else "cuda"          # torch's device type of the simulated GPUs
+LIBRARY = "xccl" if XPU else "nccl"     # the backend of their collectives (RCCL is "nccl" on ROCm)
+NOT_COMPILED = "Torch not compiled with CUDA enabled (simulated Intel GPUs: this torch is built for XPU)"
+GPU_NAME = os.environ.get("TUTORIAL_SIMGPU_NAME", "AMD Instinct MI250X (simulated)" if ROCM else
+                          "Intel(R) Data Center GPU Max 1550 (simulated)" if XPU else
+                          "NVIDIA H100 80GB HBM3 (simulated)")
 CAPABILITY = tuple(int(x) for x in os.environ.get("TUTORIAL_SIMGPU_CAPABILITY", "9.0").split("."))
 ARCH = "gfx90a:sramecc+:xnack-" if ROCM else ""
-MEMORY = int(os.environ.get("TUTORIAL_SIMGPU_MEMORY", 80 * 2**30))  # bytes per GPU; set low, a test meets its OOM
+# bytes per GPU (an H100's 80 GiB; a Max 1550 tile's 64); set low, a test meets its OOM
+MEMORY = int(os.environ.get("TUTORIAL_SIMGPU_MEMORY", (64 if XPU else 80) * 2**30))
 
 
 def physical() -> list[int]:
@@ -87,6 +101,11 @@ def physical() -> list[int]:
     GPUs of ROCR_VISIBLE_DEVICES (an empty one hides them all), then HIP_VISIBLE_DEVICES or CUDA_VISIBLE_DEVICES
     picks among those by their place in that list (an empty HIP list hides nothing, as ROCm/hip#3001 found)."""
     count = int(os.environ["TUTORIAL_SIMGPU"])
+    if XPU:  # SYCL told to use no Level Zero device (core.visible's way to hide them) sees none
+        selector = os.environ.get("ONEAPI_DEVICE_SELECTOR")
+        if selector is not None and "level_zero" not in selector and "*" not in selector:
+            return []
+        return _indices(os.environ.get("ZE_AFFINITY_MASK") or None, list(range(count)))  # empty: no mask
     if not ROCM:
         return _indices(os.environ.get("CUDA_VISIBLE_DEVICES"), list(range(count)))
     seen = _indices(os.environ.get("ROCR_VISIBLE_DEVICES"), list(range(count)))
@@ -169,7 +188,8 @@ def _check_index(device) -> int:
     elif device is None:
         device = current_device()
     if not 0 <= device < len(physical()):
-        raise RuntimeError(f"CUDA error: invalid device ordinal {device} (simulated: {len(physical())} visible)")
+        raise RuntimeError(f"{'XPU' if XPU else 'CUDA'} error: invalid device ordinal {device} (simulated: "
+                           f"{len(physical())} visible)")
     return device
 
 
@@ -184,7 +204,8 @@ def properties(device=None):
     lazy_init()
     return types.SimpleNamespace(name=GPU_NAME, total_memory=MEMORY, major=CAPABILITY[0], minor=CAPABILITY[1],
                                  multi_processor_count=132, uuid=uuid(index), is_integrated=False,
-                                 L2_cache_size=50 * 2**20, gcnArchName=ARCH)
+                                 L2_cache_size=50 * 2**20, gcnArchName=ARCH, has_fp64=True, gpu_eu_count=448,
+                                 platform_name="Intel(R) oneAPI Unified Runtime over Level-Zero" if XPU else "")
 
 
 class Event:
@@ -213,9 +234,9 @@ class Stream:
     def __init__(self, device=None, priority=0, **_):
         import torch
 
-        self.device = torch.device("cuda", _check_index(device) if physical() else 0)
+        self.device = torch.device(DEV, _check_index(device) if physical() else 0)
         lazy_init()
-        self.device_index, self.device_type, self.stream_id = self.device.index, "cuda", 0
+        self.device_index, self.device_type, self.stream_id = self.device.index, DEV, 0
 
     def synchronize(self):
         pass
@@ -254,7 +275,7 @@ def _generator(device=None):
 
     if not physical():  # torch.cuda.manual_seed and friends do nothing where no GPU is visible
         return torch.Generator()
-    index = _check_index(device if device not in ("cuda",) else None)
+    index = _check_index(device if device not in ("cuda", "xpu") else None)
     if index not in _generators:
         _generators[index] = torch.Generator()
     return _generators[index]
@@ -503,7 +524,8 @@ def _patch_ddp(torch) -> None:
 
 
 def _patch_cuda(torch) -> None:
-    cuda = torch.cuda
+    """torch.cuda's answers (torch.xpu's on an Intel node) and torch.accelerator's."""
+    cuda = getattr(torch, DEV)
 
     def nothing(*a, **k):
         return None
@@ -520,8 +542,8 @@ def _patch_cuda(torch) -> None:
         empty_cache=empty_cache, ipc_collect=nothing, reset_accumulated_memory_stats=nothing,
         Event=Event, Stream=Stream, current_stream=lambda device=None: Stream(device),
         default_stream=lambda device=None: Stream(device), stream=lambda s=None: Stream(),
-        get_rng_state=lambda device="cuda": _generator(device).get_state(),
-        set_rng_state=lambda state, device="cuda": _generator(device).set_state(state),
+        get_rng_state=lambda device=DEV: _generator(device).get_state(),
+        set_rng_state=lambda state, device=DEV: _generator(device).set_state(state),
         get_rng_state_all=lambda: [_generator(i).get_state() for i in range(len(physical()))],
         set_rng_state_all=lambda states: [_generator(i).set_state(s) for i, s in enumerate(states)],
         manual_seed=lambda seed: _generator().manual_seed(seed),
@@ -551,8 +573,8 @@ def _patch_cuda(torch) -> None:
                             set_device_index=set_device, set_device_idx=set_device, synchronize=nothing,
                             current_stream=lambda device=None: Stream(device), set_stream=nothing,
                             device_index=_DeviceContext,
-                            current_accelerator=lambda check_available=False: torch.device("cuda")
-                            if visible() else None).items():
+                            current_accelerator=lambda check_available=False: torch.device(DEV)
+                            if visible() or not check_available else None).items():
         if hasattr(acc, name):
             setattr(acc, name, value)
     memory.update(get_memory_info=mem_get_info)
@@ -561,6 +583,30 @@ def _patch_cuda(torch) -> None:
             if hasattr(module, name):
                 setattr(module, name, functools.wraps(value)(lambda *a, _v=value, **k: _v(*a, **k)))
     _patch_ddp(torch)
+
+
+def _patch_cuda_on_intel(torch) -> None:
+    """On an Intel node torch.cuda answers as a build without CUDA does, without a word: no GPU, a count of 0. Code
+    that asks it where it should ask torch.accelerator trains on the CPU unawares (f7f8195's notebooks on Aurora:
+    every cell's `if torch.cuda.is_available()` took the CPU branch, and the lane's groups were gloo ranks on the
+    CPU, as the table allows). So every call the course makes to torch.cuda itself (a cell's, or the package's; not
+    torch's own calls, nor a library's) is recorded with where it was made, and the lane fails the notebook on it."""
+    import inspect
+
+    def asked(name, fn):
+        @functools.wraps(fn)
+        def ask(*args, **kwargs):
+            frame = sys._getframe(1)
+            module = frame.f_globals.get("__name__", "")
+            if module == "__main__" or module.startswith("tutorial"):
+                record(dict(kind="cuda asked", asked=f"torch.cuda.{name}",
+                            where=f"{module}:{frame.f_code.co_name}:{frame.f_lineno}"))
+            return fn(*args, **kwargs)
+        return ask
+
+    for name, value in vars(torch.cuda).items():
+        if not name.startswith("_") and inspect.isfunction(value):
+            setattr(torch.cuda, name, asked(name, value))
 
 
 class _DeviceContext:
@@ -619,11 +665,15 @@ def _tensor_classes(torch):
 
         @property
         def device(self):
-            return torch.device("cuda", self._sim_index)
+            return torch.device(DEV, self._sim_index)
 
         @property
         def is_cuda(self):
-            return True
+            return not XPU
+
+        @property
+        def is_xpu(self):
+            return XPU
 
         def record_stream(self, stream):  # reached with torch functions off (inside autograd Functions)
             return None
@@ -733,8 +783,10 @@ def _where(dev):
         except RuntimeError:
             return False
     if isinstance(dev, torch.device):
-        if dev.type == "cuda":
+        if dev.type == DEV:
             return _check_index(dev)
+        if XPU and dev.type == "cuda":  # an Intel node's torch has no CUDA: code that names "cuda" fails there
+            raise AssertionError(NOT_COMPILED)
         return None
     return False
 
@@ -849,7 +901,7 @@ def _mode_class(torch):
             if func is torch.Tensor.backward or func is torch.autograd.backward:
                 return _backward(self, func, args, kwargs)
             name = getattr(func, "__name__", "")
-            if name in ("to", "cuda", "cpu") and args and isinstance(args[0], torch.Tensor):
+            if name in ("to", "cuda", "xpu", "cpu") and args and isinstance(args[0], torch.Tensor):
                 moved = _transfer(torch, name, args, kwargs)
                 if type(args[0]) is SimCuda and on(moved) is None and not kwargs.get("non_blocking"):
                     _count_sync("copy to the host")
@@ -861,7 +913,7 @@ def _mode_class(torch):
                 _count_sync("boolean mask")
             if name == "pin_memory" and args:
                 if type(args[0]) is SimCuda:  # what a loader's pin_memory does to a batch already on the GPU
-                    kind = torch.Tensor.type(args[0].as_subclass(torch.Tensor)).replace("torch.", "torch.cuda.", 1)
+                    kind = torch.Tensor.type(args[0].as_subclass(torch.Tensor)).replace("torch.", f"torch.{DEV}.", 1)
                     raise RuntimeError(f"cannot pin '{kind}' only dense CPU tensors can be pinned (simulated GPUs)")
                 return args[0]  # pinned host memory needs the driver; the simulation has nothing to pin for
             if name == "record_stream":
@@ -869,7 +921,7 @@ def _mode_class(torch):
             if name in ("__deepcopy__", "__reduce_ex__") and type(args[0]) is SimCuda:
                 return _as_cpu_tensor(args[0], name, args[1:], kwargs)  # a copy moved back; a save as on the CPU
             if name in ("numpy", "__array__") and type(args[0]) is SimCuda:  # np.asarray, matplotlib, pandas
-                raise TypeError(f"can't convert cuda:{on(args[0])} device type tensor to numpy. Use Tensor.cpu() to "
+                raise TypeError(f"can't convert {DEV}:{on(args[0])} device type tensor to numpy. Use Tensor.cpu() to "
                                 "copy the tensor to host memory first. (simulated GPUs)")
             if name == "__format__" and type(args[0]) is SimCuda and args[0].dim() == 0:
                 return args[0].item().__format__(*args[1:])  # what Tensor.__format__ does for its own type
@@ -892,7 +944,7 @@ def _mode_class(torch):
             if name in ("__getitem__", "__setitem__") and type(args[0]) is SimCuda and len(cuda) == 1:
                 cpu = False  # CUDA indexes a GPU tensor with CPU indices (it copies them over)
             if name not in METADATA and (len(cuda) > 1 or (cuda and cpu)):
-                seen = [f"cuda:{i}" for i in sorted(cuda)] + (["cpu"] if cpu else [])
+                seen = [f"{DEV}:{i}" for i in sorted(cuda)] + (["cpu"] if cpu else [])
                 raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                                    f"{' and '.join(seen)}! (simulated GPUs, in {name})")
             index = min(cuda) if cuda else None
@@ -977,7 +1029,9 @@ def _patch_autocast(torch) -> None:
 
     @functools.wraps(init)
     def init_(self, device_type, *args, **kwargs):
-        self._sim_cuda = device_type == "cuda" and bool(physical())
+        if XPU and device_type == "cuda":  # torch warns and disables it on a build without CUDA; so does this
+            device_type, kwargs = "cpu", dict(kwargs, enabled=False)
+        self._sim_cuda = device_type == DEV and bool(physical())
         init(self, "cpu" if self._sim_cuda else device_type, *args, **kwargs)
 
     enter, exit_ = autocast_mode.autocast.__enter__, autocast_mode.autocast.__exit__
@@ -997,12 +1051,12 @@ def _patch_autocast(torch) -> None:
     enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
 
     def is_autocast_enabled(device_type=None):
-        if device_type is None or device_type == "cuda":
-            return enabled("cpu") if physical() else enabled("cuda")
+        if device_type is None or device_type == DEV:
+            return enabled("cpu") if physical() else enabled(DEV)
         return enabled(device_type)
 
     torch.is_autocast_enabled = is_autocast_enabled
-    torch.get_autocast_dtype = lambda device_type: dtype("cpu" if device_type == "cuda" and physical() else
+    torch.get_autocast_dtype = lambda device_type: dtype("cpu" if device_type == DEV and physical() else
                                                          device_type)
 
 
@@ -1016,7 +1070,8 @@ def _patch_profiler(torch) -> None:
     @functools.wraps(init)
     def init_(self, *args, activities=None, **kwargs):
         if activities is not None:
-            activities = [a for a in activities if a != torch.profiler.ProfilerActivity.CUDA] or None
+            gpu = (torch.profiler.ProfilerActivity.CUDA, getattr(torch.profiler.ProfilerActivity, "XPU", None))
+            activities = [a for a in activities if a not in gpu] or None
         init(self, *args, activities=activities, **kwargs)
 
     torch.profiler.profile.__init__ = init_
@@ -1080,14 +1135,15 @@ def _patch_load(torch) -> None:
 
     def tag(storage):
         index = _saving.get(storage.data_ptr()) if storage.device.type == "cpu" and storage.nbytes() else None
-        return None if index is None else f"cuda:{index}"
+        return None if index is None else f"{DEV}:{index}"
 
     def deserialize(storage, location):
-        if not location.startswith("cuda"):
+        if not location.startswith(DEV):
             return None
         index = torch.device(location).index or 0
         if index >= len(physical()):
-            raise RuntimeError(f"Attempting to deserialize object on CUDA device {index} but torch.cuda.device_count() "
+            raise RuntimeError(f"Attempting to deserialize object on {DEV.upper()} device {index} but "
+                               f"torch.{DEV}.device_count() "
                                f"is {len(physical())}. Please use torch.load with map_location to map your storages "
                                f"to an existing device. (simulated GPUs)")
         lazy_init()
@@ -1135,9 +1191,10 @@ def _transfer(torch, name, args, kwargs):
     index = False  # False: no device named (a dtype change only)
     if name == "cpu":
         index = None
-    elif name == "cuda":
+    elif name in ("cuda", "xpu"):
         device = rest[0] if rest else kwargs.get("device")
-        index = _where(device if device is not None else "cuda")
+        index = _where(torch.device(name, device) if isinstance(device, int) else device if device is not None
+                       else name)
         rest = []
         kwargs.pop("device", None)
     else:
@@ -1204,8 +1261,9 @@ def _patch_threads() -> None:
 
 # -- NCCL, simulated over gloo, and the record -------------------------------------------------------------------
 
-# id(process group) -> the group, for the groups made as NCCL. The group itself is kept: once a destroyed group
-# is freed, a new (gloo) group can get its address, and an id alone would call it NCCL (10's checker, 2 GPUs).
+# id(process group) -> the group, for the groups made as NCCL (xccl on an Intel node). The group itself is kept:
+# once a destroyed group is freed, a new (gloo) group can get its address, and an id alone would call it NCCL (10's
+# checker, 2 GPUs).
 NCCL_GROUPS: dict = {}
 
 
@@ -1222,10 +1280,11 @@ def record(entry: dict) -> None:
 
 
 def _visible_variables():
-    """CUDA_VISIBLE_DEVICES as it is set (or None); on ROCm every variable that picks the GPUs, as NAME=value."""
-    if not ROCM:
+    """CUDA_VISIBLE_DEVICES as it is set (or None); on ROCm and XPU each variable that picks the GPUs, as NAME=value."""
+    if not (ROCM or XPU):
         return os.environ.get("CUDA_VISIBLE_DEVICES")
-    names = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+    names = ("ZE_AFFINITY_MASK", "ONEAPI_DEVICE_SELECTOR") if XPU else \
+        ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
     return " ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ) or None
 
 
@@ -1241,15 +1300,19 @@ def _caller() -> str:
     return "?"
 
 
-def _wants_nccl(backend, device_id) -> bool:
+def _wants_library(backend, device_id) -> bool:
+    """Whether a group is asked of the GPUs' library (NCCL; oneCCL's xccl on Intel), which gloo stands in for."""
     text = str(backend or "").lower()
-    if "nccl" in text:
+    if XPU and "nccl" in text:
+        raise RuntimeError("Distributed package doesn't have NCCL built in (simulated Intel GPUs: an XPU build of "
+                           "torch has xccl)")
+    if LIBRARY in text:
         return True
     if backend in (None, "", "undefined"):
         import torch
 
         if device_id is not None:
-            return torch.device(device_id).type == "cuda" if not isinstance(device_id, int) else True
+            return torch.device(device_id).type == DEV if not isinstance(device_id, int) else True
         return False  # torch's default with no device_id: gloo for CPU tensors, NCCL for CUDA ones: gloo stands in
     return False
 
@@ -1273,9 +1336,10 @@ def _patch_distributed(torch) -> None:
         seen = [None] * world
         dist.all_gather_object(seen, (mine, socket.gethostname(), os.getpid(), made[0]), group=group)
         refusal = None
-        if backend == "nccl" and mine is None:
-            refusal = "NCCL: no CUDA GPU visible to this rank (simulated GPUs)"
-        elif backend == "nccl":
+        if backend == LIBRARY and mine is None:
+            refusal = "NCCL: no CUDA GPU visible to this rank (simulated GPUs)" if not XPU else \
+                "oneCCL (xccl): no XPU visible to this rank (simulated Intel GPUs)"
+        elif backend == "nccl":  # oneCCL's answer to two ranks on one tile is not known here: the lane's table holds it
             for other, (theirs, host, _, _) in enumerate(seen):
                 if other != rank and theirs == mine and host == socket.gethostname():
                     refusal = (f"NCCL error: invalid usage: Duplicate GPU detected : rank {rank} and rank {other} "
@@ -1288,40 +1352,40 @@ def _patch_distributed(torch) -> None:
             # (SIGABRT, 2 runs in 10 of the shared-GPU test) while the other rank's sockets close
             dist.destroy_process_group(group)
             raise dist.DistBackendError(refusal)
-        if backend == "nccl":
+        if backend == LIBRARY:
             NCCL_GROUPS[id(group)] = group
 
     @functools.wraps(init)
     def init_process_group(backend=None, *args, **kwargs):
-        nccl = _wants_nccl(backend, kwargs.get("device_id"))
+        nccl = _wants_library(backend, kwargs.get("device_id"))
         if nccl:
             backend, kwargs = "gloo", {k: v for k, v in kwargs.items() if k not in ("device_id", "pg_options")}
         try:
             init(backend, *args, **kwargs)
         except Exception as exc:
-            record(dict(kind="init_process_group", backend="nccl" if nccl else str(backend), failed=str(exc)[:300]))
+            record(dict(kind="init_process_group", backend=LIBRARY if nccl else str(backend), failed=str(exc)[:300]))
             raise
-        described(c10d._get_default_group(), "nccl" if nccl else str(backend or "gloo"), "init_process_group")
+        described(c10d._get_default_group(), LIBRARY if nccl else str(backend or "gloo"), "init_process_group")
 
     @functools.wraps(new_group)
     def new_group_(ranks=None, timeout=None, backend=None, *args, **kwargs):
-        nccl = "nccl" in str(backend or "").lower() or (backend is None and id(c10d._get_default_group())
+        nccl = _wants_library(backend, None) or (backend is None and id(c10d._get_default_group())
                                                          in NCCL_GROUPS)
         group = new_group(ranks, timeout, "gloo" if nccl else backend, *args,
                           **{k: v for k, v in kwargs.items() if not (nccl and k == "pg_options")})
         if group not in (None, c10d.GroupMember.NON_GROUP_MEMBER):
-            described(group, "nccl" if nccl else str(backend or get_backend(None)), "new_group")
+            described(group, LIBRARY if nccl else str(backend or get_backend(None)), "new_group")
         return group
 
     @functools.wraps(get_backend)
     def get_backend_(group=None):
         found = group if group is not None else c10d._get_default_group()
-        return "nccl" if id(found) in NCCL_GROUPS else get_backend(group)
+        return LIBRARY if id(found) in NCCL_GROUPS else get_backend(group)
 
     object_device = c10d._get_object_coll_device
 
     def object_device_(group=None):  # object collectives and barrier stage their bytes on the group's device
-        return "cuda" if id(group or c10d._get_default_group()) in NCCL_GROUPS else object_device(group)
+        return DEV if id(group or c10d._get_default_group()) in NCCL_GROUPS else object_device(group)
 
     c10d._get_object_coll_device = object_device_
     c10d._get_pg_default_device = lambda group=None: torch.device(object_device_(group))
@@ -1355,8 +1419,9 @@ def _checked(torch, name, collective):
             # handed to a comm hook, autograd's gradients) is on the GPU of its inputs on a real node (03a's hooks).
             cpu = [t for t in flat if on(t) is None and getattr(t, "_sim_cpu", False)]
             if cpu:
-                raise RuntimeError(f"No backend type associated with device type cpu (simulated NCCL: {name} was "
-                                   f"given a CPU tensor of shape {tuple(cpu[0].shape)} on an NCCL process group)")
+                raise RuntimeError(f"No backend type associated with device type cpu (simulated {LIBRARY.upper()}: "
+                                   f"{name} was given a CPU tensor of shape {tuple(cpu[0].shape)} on an "
+                                   f"{LIBRARY.upper()} process group)")
             op = kwargs.get("op", args[1] if len(args) > 1 and name == "all_reduce" else None)
             if name == "all_reduce" and op == torch.distributed.ReduceOp.AVG:  # NCCL averages; gloo cannot
                 tensor = kwargs.get("tensor", args[0] if args else None)
@@ -1382,6 +1447,12 @@ def install() -> None:
     SimCuda, _Tensor, _Parameter = _tensor_classes(torch), torch.Tensor, torch.nn.Parameter
     if ROCM:  # what a ROCm build says of itself: core.accelerator tells AMD from NVIDIA by torch.version.hip alone
         torch.version.hip, torch.version.cuda = "6.2.41133-simulated", None
+    if XPU:  # an XPU build: no CUDA, the SYCL compiler's date, xccl
+        import torch.distributed as dist
+
+        torch.version.cuda, torch.version.xpu = None, "20250101-simulated"
+        dist.is_xccl_available, dist.is_nccl_available = (lambda: True), (lambda: False)
+        _patch_cuda_on_intel(torch)
     _mode = _mode_class(torch)()
     _patch_cuda(torch)
     _patch_distributed(torch)
