@@ -80,7 +80,11 @@ case "${SITE_TORCH:-}" in
      skip='^(deepspeed|torch|torchvision)=='
      venv_args=(--system-site-packages) ;;
 esac
-if [[ ${SITE_TORCH:-} == 1 && -f $VENV/pyvenv.cfg ]] && ! grep -q '^include-system-site-packages = true' "$VENV/pyvenv.cfg"; then
+# A venv that is there already: the site's own (its torch is the one $PYTHON imports: a venv the site's torch was
+# installed into, named by VENV), or one made with the site's packages in view; a .venv of an install without
+# SITE_TORCH has PyPI's torch inside and no view of the site's.
+if [[ ${SITE_TORCH:-} == 1 && -f $VENV/pyvenv.cfg ]] && ! grep -q '^include-system-site-packages = true' "$VENV/pyvenv.cfg" \
+   && [[ $("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) != "$site" ]]; then
   die "SITE_TORCH=1: $VENV was made without the site's packages (a make install without SITE_TORCH): remove it (rm -rf $VENV) and run again"
 fi
 [[ -x $VENV/bin/python ]] || { say "creating $VENV"; "$PYTHON" -m venv ${venv_args[@]+"${venv_args[@]}"} "$VENV"; }

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -61,3 +62,34 @@ def test_a_venv_made_without_the_sites_packages_is_named_not_reused(tmp_path):
     done = install(tmp_path, "1", "2.14.0+xpu")
     assert done.returncode == 1 and f"{tmp_path / 'venv'} was made without the site's packages" in done.stderr
     assert f"rm -rf {tmp_path / 'venv'}" in done.stderr, done.stderr
+
+
+def test_the_sites_own_venv_is_installed_into_not_refused(tmp_path):
+    """A site's torch in a venv of its own (PyPI's XPU wheels installed into one; the way out the refusal above names,
+    VENV=its folder): the checks pass and the requirements' step starts in it (here a venv without pip,
+    offline, so it stops there, having installed nothing).
+    Control: the same venv without the site's torch is the .venv of an install without SITE_TORCH, refused."""
+    venv = tmp_path / "site-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    env = dict(os.environ, SITE_TORCH="1", PYTHON=str(python), VENV=str(venv), PIP_NO_INDEX="1",
+               PIP_FIND_LINKS=str(tmp_path / "no-wheels"))
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(ROOT / "scripts" / "install.sh")], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    (Path(site) / "torch").mkdir()
+    (Path(site) / "torch" / "__init__.py").write_text("__version__ = '2.14.0+xpu'\n")
+    done = run()
+    assert "the site's torch 2.14.0+xpu" in done.stdout and f"installing requirements.txt into {venv}" in done.stdout
+    assert "made without the site's packages" not in done.stderr and "does not see" not in done.stderr, done.stderr
+    assert done.returncode != 0  # no pip, no index: nothing was installed, and the site's torch is untouched
+    assert (Path(site) / "torch" / "__init__.py").read_text() == "__version__ = '2.14.0+xpu'\n"
+    (Path(site) / "torch" / "__init__.py").unlink()
+    (Path(site) / "torch").rmdir()
+    env["PYTHON"] = sys.executable  # this venv's PyPI torch as "the site's": the venv above no longer has it
+    done = run()
+    assert done.returncode == 1 and f"{venv} was made without the site's packages" in done.stderr, done.stderr
