@@ -826,3 +826,26 @@ def test_torch_cuda_is_named_only_where_it_is_left_on_purpose():
     fewer = {f: f"{found.get(f, 0)} (allowed {n})" for f, n in TORCH_CUDA_LEFT.items() if found.get(f, 0) < n}
     assert not fewer, f"fewer torch.cuda uses than TORCH_CUDA_LEFT allows: lower it to what is left: {fewer}"
     assert torch_cuda_uses("x = torch.cuda.is_available()  # torch.cuda\ns = 'torch.cuda'") == 1  # code only
+
+
+def allocation_device_compared_to_a_vendor(code: str) -> list[str]:
+    """Lines that compare an allocation's device (notebook.allocation(...).device: "gpu" or "cpu") with a torch
+    device type, which it never equals: the GPU branch is then never taken, on every vendor's GPU."""
+    names = set(re.findall(r"^\s*(\w+)\s*=\s*notebook\.allocation\(", code, re.M))
+    return [line.strip() for line in code.splitlines() for name in names
+            if re.search(rf"\b{name}\.device\s*[!=]=\s*['\"](cuda|xpu)['\"]", line)]
+
+
+def test_no_cell_compares_an_allocations_device_with_cuda():
+    """Review of f361322: 09's offload and activation demos asked `own.device == "cuda"` after the allocation's
+    device became "gpu", and went to the CPU on a GPU node (09 runs on the CPU in make test, so no lane saw it).
+    Control: that line is found."""
+    import json
+    found = {}
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        code = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+        if allocation_device_compared_to_a_vendor(code):
+            found[path.name] = allocation_device_compared_to_a_vendor(code)
+    assert found == {}
+    assert allocation_device_compared_to_a_vendor('own = notebook.allocation(2, cfg)\nx = 1 if own.device == "cuda" '
+                                                  'else 0') == ['x = 1 if own.device == "cuda" else 0']
