@@ -731,8 +731,13 @@ def test_a_simulated_intel_node_uses_xpu_and_xccl_and_hides_its_tiles_by_the_sel
     out = python("""
         import os, subprocess, sys, torch, torch.distributed as dist
         print("asked", torch.cuda.is_available())  # f7f8195's way to find the GPU
-        with torch.autocast("xpu", dtype=torch.bfloat16):  # torch asks torch.cuda inside: not the course's question
+        torch.manual_seed(0)  # torch.random calls torch.cuda.manual_seed_all itself: not the course's question
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # f7f8195's 04: disabled there, with a warning only
             pass
+        import simgpu  # which tiles the mask and the selector leave of 12 (FLAT: a tile is a device; "c.t" = 2c + t)
+        print([simgpu._indices(mask, list(range(12)), tiles=True) for mask in ("4,5", "2.1,3.0", "0,x,1")],
+              [simgpu._selected(sel, [4, 5, 6]) for sel in ("opencl:cpu", "level_zero:gpu", "level_zero:1,2",
+                                                         "!level_zero:*", "!opencl:*", "*:cpu", "!level_zero:0")])
         from tutorial.core import accelerator
         from tutorial.launch import engines
         from tutorial.lessons import notebook
@@ -774,10 +779,12 @@ def test_a_simulated_intel_node_uses_xpu_and_xccl_and_hides_its_tiles_by_the_sel
     lines = out.stdout.splitlines()
     assert lines.pop(0) == "asked False"
     asked = [dict(e, cell=3) for e in records(record) if e["kind"] == "cuda asked"]
-    assert [(e["asked"], e["where"]) for e in asked] == [("torch.cuda.is_available", "__main__:<module>:3")]
-    assert lane.problems_of("00_setup", asked) == [
+    assert [(e["asked"], e["where"]) for e in asked] == [("torch.cuda.is_available", "__main__:<module>:3"),
+                                                         ('torch.autocast("cuda")', "__main__:<module>:5")]
+    assert lane.problems_of("00_setup", asked[:1]) == [
         "cell 3: torch.cuda.is_available() asked on an Intel node, where it answers as a build without CUDA (no GPU), "
         "so the work runs on the CPU unawares; ask torch.accelerator (__main__:<module>:3)"]
+    assert lines.pop(0) == "[[4, 5], [5, 6], [0]] [[], [4, 5, 6], [5, 6], [], [4, 5, 6], [], [5, 6]]"
     assert lines[0] == "Intel XPU on Level Zero, SYCL 20250101-simulated xccl Intel(R) Data Center GPU Max 1550 " \
                        "(simulated)", out.stdout
     assert lines[1:4] == ["['CUDA_VISIBLE_DEVICES'] 12", "['ZE_AFFINITY_MASK'] 12", "['ONEAPI_DEVICE_SELECTOR'] 0"], \

@@ -173,7 +173,7 @@ def problems_of(notebook: str, entries: list[dict], allocates: bool = False) -> 
                         "under the simulation (PYTHONPATH, TUTORIAL_SIMGPU or TUTORIAL_SIMGPU_RECORD lost?)")
     for start, what, applies, check, _ in PROMISES.get(notebook, []):
         for e in entries:
-            if e.get("cell", -1) >= start and applies(e) and check(e):
+            if "group" in e and e.get("cell", -1) >= start and applies(e) and check(e):
                 problems.append(f"{what} (cell {start}), but cell {e['cell']}: {check(e)}")
     asked = {(e["cell"], e["asked"], e["where"]) for e in entries if e.get("kind") == "cuda asked"}
     problems += [f"cell {cell}: {what}() asked on an Intel node, where it answers as a build without CUDA (no GPU), so "

@@ -25,7 +25,8 @@ to the host) are counted per caller (host_syncs(); tests/simgpu/host_syncs.py gi
 memory as the caching allocator counts it: every live storage on its simulated GPU in 512-byte blocks, those that
 autograd (gradients, values saved for backward), foreach kernels and DDP's reducer make below Python included, with a
 peak, reserved segments, torch.cuda's and torch.accelerator's memory calls, and torch.cuda.OutOfMemoryError with
-CUDA's message past TUTORIAL_SIMGPU_MEMORY bytes (default 80 GiB; set it low and a leak fails as on a GPU).
+CUDA's message past TUTORIAL_SIMGPU_MEMORY bytes (default 80 GiB, an Intel tile's 64; set it low and a leak fails as
+on a GPU).
 CUDA-only kernels: SyncBatchNorm's five are computed as CUDA computes them (SYNC_BN_KERNELS), so its statistics and
 collectives run on a simulated full node.
 
@@ -38,7 +39,8 @@ Other vendors (TUTORIAL_SIMGPU_VENDOR): rocm, an AMD node's ROCm build (torch.cu
 under NCCL's name, ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES); xpu, an Intel node's XPU build (torch.xpu's API,
 "xpu" tensors, oneCCL's xccl over gloo, ZE_AFFINITY_MASK picking tiles and ONEAPI_DEVICE_SELECTOR hiding them;
 "cuda" refused, as a build without CUDA refuses it). What is said above of CUDA and NCCL holds for them with their
-names, except that two ranks on one tile are not refused (oneCCL's answer is not known here: lane.py refuses it).
+names, except that two ranks on one tile are not refused (oneCCL's answer is not known here: lane.py refuses it in the
+package's groups).
 
 Every process group made is recorded, one JSON line per rank in $TUTORIAL_SIMGPU_RECORD: the backend asked and the
 device, the GPUs the rank sees, its environment's GPU and NCCL variables, and whether it was refused. The lane
@@ -66,6 +68,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -73,7 +76,7 @@ import time
 import types
 import weakref
 
-ENV_PREFIXES = ("CUDA_", "ROCR_", "HIP_", "NCCL_", "TORCH_NCCL", "TORCH_FR", "LOCAL_RANK", "RANK", "WORLD_SIZE",
+ENV_PREFIXES = ("CUDA_", "ROCR_", "HIP_", "ZE_", "ONEAPI_", "CCL_", "NCCL_", "TORCH_NCCL", "TORCH_FR", "LOCAL_RANK", "RANK", "WORLD_SIZE",
                 "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "TUTORIAL_")
 # TUTORIAL_SIMGPU_VENDOR=rocm: an AMD node's ROCm build of torch (torch.version.hip set, cuda None, RCCL under
 # NCCL's name), whose GPUs are picked by ROCR_VISIBLE_DEVICES and, on top of its list, HIP_VISIBLE_DEVICES (or its alias
@@ -97,15 +100,15 @@ MEMORY = int(os.environ.get("TUTORIAL_SIMGPU_MEMORY", (64 if XPU else 80) * 2**3
 
 def physical() -> list[int]:
     """The node's GPUs this process sees, by physical index, in CUDA_VISIBLE_DEVICES's order (read at each call:
-    the engines set it before their first CUDA call, as the real driver reads it at initialisation). ROCm: the
+    the engines set it before their first CUDA call, as the real driver reads it at initialisation). XPU: the tiles
+    of ZE_AFFINITY_MASK, then of those, the ones ONEAPI_DEVICE_SELECTOR selects (_selected). ROCm: the
     GPUs of ROCR_VISIBLE_DEVICES (an empty one hides them all), then HIP_VISIBLE_DEVICES or CUDA_VISIBLE_DEVICES
     picks among those by their place in that list (an empty HIP list hides nothing, as ROCm/hip#3001 found)."""
     count = int(os.environ["TUTORIAL_SIMGPU"])
-    if XPU:  # SYCL told to use no Level Zero device (core.visible's way to hide them) sees none
+    if XPU:  # Level Zero's mask first (empty: no mask), then SYCL's selector over what it left
+        tiles = _indices(os.environ.get("ZE_AFFINITY_MASK") or None, list(range(count)), tiles=True)
         selector = os.environ.get("ONEAPI_DEVICE_SELECTOR")
-        if selector is not None and "level_zero" not in selector and "*" not in selector:
-            return []
-        return _indices(os.environ.get("ZE_AFFINITY_MASK") or None, list(range(count)))  # empty: no mask
+        return tiles if selector is None else _selected(selector, tiles)
     if not ROCM:
         return _indices(os.environ.get("CUDA_VISIBLE_DEVICES"), list(range(count)))
     seen = _indices(os.environ.get("ROCR_VISIBLE_DEVICES"), list(range(count)))
@@ -113,17 +116,40 @@ def physical() -> list[int]:
     return _indices(on_top, seen)
 
 
-def _indices(listed: str | None, among: list[int]) -> list[int]:
-    """The members of `among` a visible-devices list names by position; None: all of them."""
+def _indices(listed: str | None, among: list[int], tiles: bool = False) -> list[int]:
+    """The members of `among` a visible-devices list names by position; None: all of them. tiles: Level Zero's
+    card.tile names too ("2.1": tile 1 of card 2, the 6th of 12 tiles, two per card)."""
     if listed is None:
         return among
     chosen = []
     for item in listed.split(","):
         item = item.strip()
+        if tiles and re.fullmatch(r"\d+\.[01]", item):
+            item = str(2 * int(item.split(".")[0]) + int(item.split(".")[1]))
         if not item.isdigit() or int(item) >= len(among):
             break  # the driver stops at the first index it does not know
         chosen.append(among[int(item)])
     return chosen
+
+
+def _selected(selector: str, tiles: list[int]) -> list[int]:
+    """What ONEAPI_DEVICE_SELECTOR leaves of the Level Zero GPUs: terms "backend:devices" separated by ";", a "!"
+    discarding; only level_zero's and "*"'s count here (devices "gpu", "*" or positions); with no accepting term at
+    all, every device but the discarded ones. core.visible's "opencl:cpu" accepts no GPU: none."""
+    every = set(range(len(tiles)))
+    accept, discard, accepting = set(), set(), False
+    for term in filter(None, (t.strip() for t in selector.split(";"))):
+        negative = term.startswith("!")
+        backend, _, devices = term.lstrip("!").partition(":")
+        accepting |= not negative
+        if backend.strip() not in ("level_zero", "*"):
+            continue
+        picked = set()
+        for device in devices.split(","):
+            device = device.strip()
+            picked |= every if device in ("gpu", "*") else {int(device)} if device.isdigit() else set()
+        (discard if negative else accept).update(picked & every)
+    return [tiles[i] for i in sorted((accept if accepting else every) - discard)]
 
 
 def uuid(index: int) -> str:
@@ -136,7 +162,8 @@ _current = threading.local()
 # set_device, a device's properties, a stream) initialises it; is_available and device_count do not (NVML). A child
 # forked after that finds CUDA unusable, as torch's at-fork hook makes it ("bad fork").
 _init = {"done": False, "bad_fork": False}
-BAD_FORK = ("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you must use the "
+BAD_FORK = (f"Cannot re-initialize {DEV.upper()} in forked subprocess. To use {DEV.upper()} with multiprocessing, "
+            "you must use the "
             "'spawn' start method (simulated GPUs)")
 
 
@@ -341,12 +368,13 @@ def _allocate(key, index: int, nbytes: int, owner) -> None:
         _ooms[index] = _ooms.get(index, 0) + 1
         reserved = max(_reserved.get(index, 0), _allocated.get(index, 0))
         raise torch.cuda.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate {_size(size)}. GPU {index} has a total capacity of "
+            f"{DEV.upper()} out of memory. Tried to allocate {_size(size)}. GPU {index} has a total capacity of "
             f"{_size(MEMORY)} of which {_size(MEMORY - reserved)} is free. Including non-PyTorch memory, this process "
             f"has {_size(reserved)} memory in use. Of the allocated memory {_size(_allocated.get(index, 0))} is "
             f"allocated by PyTorch, and {_size(reserved - _allocated.get(index, 0))} is reserved by PyTorch but "
-            f"unallocated. If reserved but unallocated memory is large try setting "
-            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation. (simulated GPUs)")
+            f"unallocated." + ("" if XPU else " If reserved but unallocated memory is large try setting "
+                               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.") +
+            " (simulated GPUs)")
     _live[key] = [index, size, weakref.ref(owner, functools.partial(_freed, key))]
     _allocated[index] = total
     _grew(index, total)
@@ -586,27 +614,40 @@ def _patch_cuda(torch) -> None:
 
 
 def _patch_cuda_on_intel(torch) -> None:
-    """On an Intel node torch.cuda answers as a build without CUDA does, without a word: no GPU, a count of 0. Code
-    that asks it where it should ask torch.accelerator trains on the CPU unawares (f7f8195's notebooks on Aurora:
-    every cell's `if torch.cuda.is_available()` took the CPU branch, and the lane's groups were gloo ranks on the
-    CPU, as the table allows). So every call the course makes to torch.cuda itself (a cell's, or the package's; not
-    torch's own calls, nor a library's) is recorded with where it was made, and the lane fails the notebook on it."""
+    """On an Intel node torch.cuda answers as a build without CUDA does, without a word: no GPU, a count of 0 (whatever
+    GPU the machine running the simulation has); what needs a context fails as such a build's does. Code that asks it
+    where it should ask torch.accelerator trains on the CPU unawares (f7f8195's notebooks on Aurora: every cell's
+    `if torch.cuda.is_available()` took the CPU branch, and the lane's groups were gloo ranks on the CPU, as the table
+    allows). So every call the course makes to a torch.cuda function (a cell's, or the package's; not torch's own
+    calls, nor a library's) is recorded with where it was made, and the lane fails the notebook on it. torch.cuda's
+    classes (Event, Stream, amp) are not followed; autocast("cuda") is (_patch_autocast)."""
     import inspect
+
+    def not_compiled(*args, **kwargs):
+        raise AssertionError(NOT_COMPILED)
+
+    cuda = torch.cuda
+    cuda.is_available, cuda.device_count, cuda.is_initialized = (lambda: False), (lambda: 0), (lambda: False)
+    cuda._lazy_init = cuda.init = cuda.set_device = cuda.current_device = cuda.get_device_properties = not_compiled
 
     def asked(name, fn):
         @functools.wraps(fn)
         def ask(*args, **kwargs):
-            frame = sys._getframe(1)
-            module = frame.f_globals.get("__name__", "")
-            if module == "__main__" or module.startswith("tutorial"):
-                record(dict(kind="cuda asked", asked=f"torch.cuda.{name}",
-                            where=f"{module}:{frame.f_code.co_name}:{frame.f_lineno}"))
+            _asked_cuda(f"torch.cuda.{name}", sys._getframe(1))
             return fn(*args, **kwargs)
         return ask
 
-    for name, value in vars(torch.cuda).items():
-        if not name.startswith("_") and inspect.isfunction(value):
-            setattr(torch.cuda, name, asked(name, value))
+    for name, value in vars(cuda).items():
+        if not name.startswith("_") and inspect.isfunction(value) and \
+                getattr(value, "__module__", "").startswith(("torch.cuda", __name__)):
+            setattr(cuda, name, asked(name, value))
+
+
+def _asked_cuda(what: str, frame) -> None:
+    """Record a question put to CUDA on an Intel node, if the course put it (frame: its caller)."""
+    module = frame.f_globals.get("__name__", "")
+    if module == "__main__" or module.startswith("tutorial"):
+        record(dict(kind="cuda asked", asked=what, where=f"{module}:{frame.f_code.co_name}:{frame.f_lineno}"))
 
 
 class _DeviceContext:
@@ -787,6 +828,8 @@ def _where(dev):
             return _check_index(dev)
         if XPU and dev.type == "cuda":  # an Intel node's torch has no CUDA: code that names "cuda" fails there
             raise AssertionError(NOT_COMPILED)
+        if dev.type == "xpu":  # and a CUDA build has no XPU
+            raise RuntimeError("PyTorch is not linked with support for xpu devices (simulated GPUs: a CUDA build)")
         return None
     return False
 
@@ -1030,6 +1073,7 @@ def _patch_autocast(torch) -> None:
     @functools.wraps(init)
     def init_(self, device_type, *args, **kwargs):
         if XPU and device_type == "cuda":  # torch warns and disables it on a build without CUDA; so does this
+            _asked_cuda('torch.autocast("cuda")', sys._getframe(1))
             device_type, kwargs = "cpu", dict(kwargs, enabled=False)
         self._sim_cuda = device_type == DEV and bool(physical())
         init(self, "cpu" if self._sim_cuda else device_type, *args, **kwargs)
@@ -1357,10 +1401,11 @@ def _patch_distributed(torch) -> None:
 
     @functools.wraps(init)
     def init_process_group(backend=None, *args, **kwargs):
-        nccl = _wants_library(backend, kwargs.get("device_id"))
-        if nccl:
-            backend, kwargs = "gloo", {k: v for k, v in kwargs.items() if k not in ("device_id", "pg_options")}
+        nccl = False
         try:
+            nccl = _wants_library(backend, kwargs.get("device_id"))
+            if nccl:
+                backend, kwargs = "gloo", {k: v for k, v in kwargs.items() if k not in ("device_id", "pg_options")}
             init(backend, *args, **kwargs)
         except Exception as exc:
             record(dict(kind="init_process_group", backend=LIBRARY if nccl else str(backend), failed=str(exc)[:300]))
@@ -1451,7 +1496,10 @@ def install() -> None:
         import torch.distributed as dist
 
         torch.version.cuda, torch.version.xpu = None, "20250101-simulated"
-        dist.is_xccl_available, dist.is_nccl_available = (lambda: True), (lambda: False)
+        import torch.distributed.distributed_c10d as c10d
+
+        for module in (dist, c10d):
+            module.is_xccl_available, module.is_nccl_available = (lambda: True), (lambda: False)
         _patch_cuda_on_intel(torch)
     _mode = _mode_class(torch)()
     _patch_cuda(torch)

@@ -46,9 +46,10 @@ def start(n: int | None = None, engines: str = "local", *, device: str = "auto",
 
     What to start:
       n: how many engines (default: one per visible GPU, else 2). engines: local, mpi (mpiexec; MPI rank = rank),
-      slurm or pbs. device: auto (GPUs if visible), gpu (GPUs required, any vendor's; cuda and xpu say the same) or cpu. gpus: which of this
-      node's GPUs, as the vendor's variable names them (CUDA_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES, ZE_AFFINITY_MASK;
-      default: every visible one); fewer GPUs than engines are shared (gloo only).
+      slurm or pbs. device: auto (GPUs if visible), gpu (GPUs required, any vendor's; cuda and xpu say the same) or
+      cpu. gpus: which of this node's GPUs, as the vendor's variable names them (CUDA_VISIBLE_DEVICES,
+      ROCR_VISIBLE_DEVICES, ZE_AFFINITY_MASK; default: every visible one); fewer GPUs than engines are shared (gloo
+      only).
     How long to wait, and after a failure:
       timeout: seconds for the engines to start. run_timeout: the limit of one run() (unless it gives its own) or
       %%px cell. on_failure: restart or stop the engines after a run that failed.
