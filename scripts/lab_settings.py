@@ -3,6 +3,12 @@ workshop's hub (tools/hub) write them before they start. JupyterLab reads overri
 <prefix>/share/jupyter/lab/settings as the defaults of this venv's lab (a person's own settings still win). Our keys
 are merged into whatever else is there.
 
+TensorBoard in the lab: jupyter-server-proxy starts it at the first visit of <lab URL>/tensorboard/ (a launcher
+tile too), on the lab's runs/ folder, where the trainers write their event files (--out runs/...). It is behind the
+lab's own login, as on sites that run it so (NERSC's, ALCF's hubs): under a hub, /user/<name>/tensorboard/, which no
+one else can open. Its setting is Python (a command computed at start) in <prefix>/etc/jupyter/jupyter_server_config.py,
+written only where that file is ours or absent.
+
     python scripts/lab_settings.py VENV
 """
 import json
@@ -21,3 +27,37 @@ for plugin, values in ours.items():
     settings.setdefault(plugin, {}).update(values)
 path.parent.mkdir(parents=True, exist_ok=True)
 path.write_text(json.dumps(settings, indent=2) + "\n")
+
+# TensorBoard on the lab's runs/ (the root the lab serves, known only once it starts), under the lab's URL
+# (--path_prefix: TensorBoard's own links then carry the prefix the proxy passes on, absolute_url).
+SERVER_CONFIG = """# Written by the course's scripts/lab_settings.py: TensorBoard beside the lab (jupyter-server-proxy).
+
+
+def _tensorboard(port, base_url):
+    import os
+    import sys
+
+    from jupyter_server.serverapp import ServerApp
+
+    runs = os.path.join(ServerApp.instance().root_dir, "runs")
+    return [sys.executable, "-m", "tensorboard.main", "--logdir", runs, "--host", "127.0.0.1", "--port", str(port),
+            "--path_prefix", base_url.rstrip("/") + "/tensorboard", "--reload_interval", "15"]
+
+
+c.ServerProxy.servers = {
+    "tensorboard": {
+        "command": _tensorboard,
+        "absolute_url": True,
+        "timeout": 60,  # its first start imports a lot
+        "launcher_entry": {"title": "TensorBoard (runs/)", "category": "Other"},
+        "new_browser_tab": False,
+    },
+}
+"""
+server = pathlib.Path(sys.argv[1], "etc", "jupyter", "jupyter_server_config.py")
+if not server.is_file() or server.read_text().startswith("# Written by the course's"):
+    server.parent.mkdir(parents=True, exist_ok=True)
+    server.write_text(SERVER_CONFIG)
+else:
+    print(f"lab settings: {server} is not ours: TensorBoard is not added to the lab (add the course's setting to it "
+          "by hand: scripts/lab_settings.py SERVER_CONFIG)")

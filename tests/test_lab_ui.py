@@ -1,7 +1,8 @@
 """`make lab` in a real browser: JupyterLab started by scripts/lab.sh, driven by Playwright in Debian's headless Chromium
 as an attendee drives it: it opens on 00_setup with the `tutorial` kernel and no news pop-up, Run > Run All Cells
-shows the engines' table and the all-reduce, Interrupt during a training run stops the engines' run too, a closed tab
-leaves no engine (the lab culls its kernel), and stopping the lab leaves no process and no browser.
+shows the engines' table and the all-reduce, TensorBoard opens under the lab's URL on the lab's runs/ (behind its
+login), Interrupt during a training run stops the engines' run too, a closed tab leaves no engine (the lab culls its
+kernel), and stopping the lab leaves no process (TensorBoard's included) and no browser.
 
 The lab serves a copy of notebooks/ in a temporary folder: notebooks/00_setup.ipynb (its stored outputs are what strict
 nbval compares) is never saved over. Needs /usr/bin/chromium and the playwright wheel (scripts/install.sh installs both
@@ -9,12 +10,14 @@ as root; Playwright never downloads a browser here); without them the test is sk
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -106,6 +109,10 @@ def test_make_lab_runs_00_setup_through_the_ui_interrupts_and_leaves_nothing(tmp
     root, home = tmp_path / "notebooks", tmp_path / "home"
     home.mkdir()
     shutil.copytree(ROOT / "notebooks", root, ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints"))
+    from torch.utils.tensorboard import SummaryWriter  # a run's event files, where a trainer's --out runs/... puts them
+    with SummaryWriter(str(root / "runs" / "01_single" / "tb")) as writer:
+        for step in range(3):
+            writer.add_scalar("loss/train", 2.3 / (step + 1), step)
     original = (ROOT / "notebooks" / FIRST).read_bytes()
     # The test's own settings: every cell stays in the page (JupyterLab renders only the cells in view by default),
     # so that the outputs of the whole notebook can be read.
@@ -167,6 +174,7 @@ def drive(page, lab: Lab) -> None:
     assert "no engine, controller or mpiexec left: True" in outputs
     # No news pop-up at any time (JupyterLab asks a few seconds after it opens).
     assert "official Jupyter news" not in page.locator("body").inner_text()
+    tensorboard_in_the_lab(page, lab)
     # A training run, then Interrupt (the toolbar's button): the engines stop at a step, the next cell runs at once.
     type_cell(page, "import tutorial.train_ddp as t; c = engines.start(n=2, show=False); "
                     "c.run(t.main, cfg.replace(epochs=400))")
@@ -186,6 +194,36 @@ def drive(page, lab: Lab) -> None:
         time.sleep(0.5)
     assert not engines_of(lab.tag), "the engines outlived the closed tab"
     print(f"tab closed -> no engine after {time.monotonic() - closed:.1f} s (LAB_CULL_S={CULL_S})")
+
+
+def tensorboard_in_the_lab(page, lab: Lab) -> None:
+    """TensorBoard under the lab's URL (jupyter-server-proxy, scripts/lab_settings.py): a tile in the launcher, its
+    page in this browser showing the lab's runs/, and nothing without the lab's login."""
+    servers = json.load(urllib.request.urlopen(f"{lab.url}/server-proxy/servers-info?token={lab.token}", timeout=30))
+    assert [s["launcher_entry"]["title"] for s in servers["server_processes"]] == ["TensorBoard (runs/)"], servers
+    board = page.context.new_page()
+    try:
+        started = time.monotonic()
+        board.goto(f"{lab.url}/tensorboard/")  # the browser's lab cookie is its login
+        # the run, and its tag's card (TensorBoard sets "loss" and "/train" apart)
+        board.wait_for_function("() => document.body.innerText.includes('01_single/tb') && "
+                                "document.body.innerText.includes('/train')", timeout=90_000)
+        print(f"TensorBoard in the lab: its scalars after {time.monotonic() - started:.1f} s")
+    finally:
+        board.close()
+    request = urllib.request.Request(f"{lab.url}/tensorboard/data/runs")  # no login: the lab's login page
+    opener = urllib.request.build_opener(NoRedirect)
+    try:
+        opener.open(request, timeout=30)
+        status = 200
+    except urllib.error.HTTPError as err:
+        status = err.code
+    assert status == 302, status
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None
 
 
 def engines_of(tag: str) -> list[dict]:
