@@ -3,7 +3,7 @@
 Engines run in sessions of their own, so a restarted, shut down or killed kernel would leave them running. start()
 starts `python -m tutorial.launch.reaper CLUSTER_FILE TAG` in a session of its own too, with a pipe as its stdin. The
 pipe ends when the kernel closes it (Cluster.stop) or dies. If ipyparallel's cluster file is still there (stop()
-removes it and sweeps by tag itself; a kernel that died did neither), the reaper stops what the file lists and every
+removes it; a kernel that died may not have), the reaper stops what the file lists; then, in every case, every
 process that carries the cluster's tag.
 """
 from __future__ import annotations
@@ -33,14 +33,17 @@ def release(reaper: subprocess.Popen, timeout: float = 30.0) -> None:
 
 
 def reap(cluster_file: str, tag: str) -> None:
-    """Wait for the pipe to end, then stop the cluster and every process with its tag."""
+    """Wait for the pipe to end, then stop the cluster and every process with its tag. The sweep runs even where
+    the cluster file is gone: a kernel killed in the middle of its stop (a restart kills it 5 s after asking it to
+    shut down, and ipyparallel's own stop at exit removes the file before its engines are gone) left an engine and
+    its nanny running until their 87 s without a hub (test_cluster, under load, 2026-11-30)."""
     sys.stdin.read()
-    if os.path.exists(cluster_file):
-        try:
+    try:
+        if os.path.exists(cluster_file):
             import ipyparallel as ipp
             ipp.Cluster.from_file(cluster_file, log=IPP_LOG).stop_cluster_sync()
-        finally:
-            child_processes.stop(child_processes.leftovers(tag))
+    finally:
+        child_processes.stop(child_processes.leftovers(tag))
 
 
 if __name__ == "__main__":
