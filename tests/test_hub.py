@@ -415,8 +415,10 @@ def no_one_in_anothers_lab(pages: dict, hub, tokens: dict, state_dir: Path) -> N
     channels = f"{lab}/api/kernels/{kernels[0]['id']}/channels"
     owner = {"GET contents": http("GET", f"{lab}/api/contents", tokens[b])[0],
              "GET hub user": http("GET", f"{hub.url}/hub/api/users/{b}", tokens[b])[0],
-             "websocket": websocket_status(channels, tokens[b])}
-    assert owner == {"GET contents": 200, "GET hub user": 200, "websocket": 101}, owner
+             "websocket": websocket_status(channels, tokens[b]),
+             # TensorBoard in the lab, started at this first visit on B's node (scripts/lab_settings.py)
+             "GET tensorboard runs": http("GET", f"{lab}/tensorboard/data/runs", tokens[b])[0]}
+    assert owner == {"GET contents": 200, "GET hub user": 200, "websocket": 101, "GET tensorboard runs": 200}, owner
 
     # A's browser, logged in as A, opens B's lab: B's lab sends it to the hub's OAuth page, which refuses A.
     page = pages[a].context.new_page()
@@ -432,6 +434,7 @@ def no_one_in_anothers_lab(pages: dict, hub, tokens: dict, state_dir: Path) -> N
         "cookies GET kernels": cookies.get(f"{lab}/api/kernels", max_redirects=0).status,
         "cookies GET contents": cookies.get(f"{lab}/api/contents", max_redirects=0).status,
         "cookies POST kernels": cookies.post(f"{lab}/api/kernels", data={"name": "tutorial"}, max_redirects=0).status,
+        "cookies GET tensorboard": cookies.get(f"{lab}/tensorboard/data/runs", max_redirects=0).status,
     }
     token = tokens[a]
     found |= {
@@ -439,6 +442,7 @@ def no_one_in_anothers_lab(pages: dict, hub, tokens: dict, state_dir: Path) -> N
         "personal token GET contents": http("GET", f"{lab}/api/contents", token)[0],
         "personal token POST kernels": http("POST", f"{lab}/api/kernels", token, {"name": "tutorial"})[0],
         "personal token POST terminals": http("POST", f"{lab}/api/terminals", token, {})[0],
+        "personal token GET tensorboard": http("GET", f"{lab}/tensorboard/data/runs", token)[0],
         "personal token websocket": websocket_status(channels, token),
         "personal token hub API user": hub_answer(http("GET", f"{hub.url}/hub/api/users/{b}", token)),
         "personal token hub API no-such-user": hub_answer(http("GET", f"{hub.url}/hub/api/users/nobody-here", token)),
@@ -453,7 +457,7 @@ def no_one_in_anothers_lab(pages: dict, hub, tokens: dict, state_dir: Path) -> N
     print("A in B's lab:", json.dumps(found, indent=1))
     print("browser page:", seen[2])
     refused = {key: 403 for key in found} | {
-        "browser opens lab": [403, "/hub/api/oauth2/authorize"], "cookies GET lab": 302,
+        "browser opens lab": [403, "/hub/api/oauth2/authorize"], "cookies GET lab": 302, "cookies GET tensorboard": 302,
         **{key: [404, "No access to resources or resources not found"]  # the same as for a user that does not exist
            for key in ("personal token hub API user", "personal token hub API no-such-user", "lab token hub API user")}}
     assert json.loads(json.dumps(found)) == refused, f"{a} in {b}'s lab: {found}"
