@@ -4,10 +4,12 @@ workshop's hub (tools/hub) write them before they start. JupyterLab reads overri
 are merged into whatever else is there.
 
 TensorBoard in the lab: jupyter-server-proxy starts it at the first visit of <lab URL>/tensorboard/ (a launcher
-tile too), on the lab's runs/ folder, where the trainers write their event files (--out runs/...). It is behind the
-lab's own login, as on sites that run it so (NERSC's, ALCF's hubs): under a hub, /user/<name>/tensorboard/, which no
-one else can open. Its setting is Python (a command computed at start) in <prefix>/etc/jupyter/jupyter_server_config.py,
-written only where that file is ours or absent.
+tile too), on the lab's runs/ folder (or $TUTORIAL_RUNS), where the notebooks' trainers write their event files. The
+URL is behind the lab's own login (under a hub, /user/<name>/tensorboard/ refuses other attendees); TensorBoard
+itself listens on 127.0.0.1 without a login, as any TensorBoard a user starts does, so on a node shared by several
+attendees the others could read its plots, never the lab: the proxy hands it no cookie and no token. Its setting is
+Python (a command computed at start) in <prefix>/etc/jupyter/jupyter_server_config.py, written only where that file is
+ours or absent, and added to a site's own proxied servers, not in their place.
 
     python scripts/lab_settings.py VENV
 """
@@ -39,20 +41,23 @@ def _tensorboard(port, base_url):
 
     from jupyter_server.serverapp import ServerApp
 
-    runs = os.path.join(ServerApp.instance().root_dir, "runs")
+    # where the notebooks put their runs (notebook.runs_dir): runs/ beside them, or TUTORIAL_RUNS
+    runs = os.path.join(ServerApp.instance().root_dir, os.environ.get("TUTORIAL_RUNS") or "runs")
     return [sys.executable, "-m", "tensorboard.main", "--logdir", runs, "--host", "127.0.0.1", "--port", str(port),
             "--path_prefix", base_url.rstrip("/") + "/tensorboard", "--reload_interval", "15"]
 
 
-c.ServerProxy.servers = {
+c.ServerProxy.servers.update({  # beside a site's own
     "tensorboard": {
         "command": _tensorboard,
         "absolute_url": True,
         "timeout": 60,  # its first start imports a lot
         "launcher_entry": {"title": "TensorBoard (runs/)", "category": "Other"},
         "new_browser_tab": False,
+        # the attendee's login stays with the lab: TensorBoard, reachable by anyone on this node, never sees it
+        "request_headers_override": {"Cookie": "", "Authorization": ""},
     },
-}
+})
 """
 server = pathlib.Path(sys.argv[1], "etc", "jupyter", "jupyter_server_config.py")
 if not server.is_file() or server.read_text().startswith("# Written by the course's"):

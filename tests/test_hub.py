@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -363,13 +364,14 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None  # a redirect is an answer to look at, not to follow
 
 
-def http(method: str, url: str, token: str | None = None, body: dict | None = None) -> tuple[int, str]:
+def http(method: str, url: str, token: str | None = None, body: dict | None = None,
+         timeout: float = 60) -> tuple[int, str]:
     """(status, Location or the body's start) of one request with `token`, no cookies, redirects
     not followed."""
     request = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
                                      headers={"Authorization": f"token {token}"} if token else {})
     try:
-        with urllib.request.build_opener(_NoRedirect).open(request, timeout=60) as answer:
+        with urllib.request.build_opener(_NoRedirect).open(request, timeout=timeout) as answer:
             return answer.status, answer.read(2000).decode(errors="replace")
     except urllib.error.HTTPError as exc:
         return exc.code, exc.headers.get("Location") or exc.read(2000).decode(errors="replace")
@@ -413,12 +415,20 @@ def no_one_in_anothers_lab(pages: dict, hub, tokens: dict, state_dir: Path) -> N
         kernels = json.load(answer)
     assert kernels, f"{b}'s lab runs no kernel"
     channels = f"{lab}/api/kernels/{kernels[0]['id']}/channels"
+    # a run of B's, in B's workbook's runs/ as the notebooks write them: TensorBoard in B's lab must list it
+    workbook = tomllib.loads((ROOT / "tools" / "hub" / "site.toml").read_text())["course"]["workbook"]
+    events = Path(pwd.getpwnam(b).pw_dir) / workbook / "runs" / "hub_check" / "tb"
+    wrote = as_user(b, sys.executable, "-c", "import sys; from torch.utils.tensorboard import SummaryWriter; "
+                    "w = SummaryWriter(sys.argv[1]); w.add_scalar('loss/train', 1.0, 0); w.close()", str(events))
+    assert wrote.returncode == 0, wrote.stderr[-2000:]
+    board = http("GET", f"{lab}/tensorboard/data/runs", tokens[b], timeout=90)  # starts it on B's node
     owner = {"GET contents": http("GET", f"{lab}/api/contents", tokens[b])[0],
              "GET hub user": http("GET", f"{hub.url}/hub/api/users/{b}", tokens[b])[0],
              "websocket": websocket_status(channels, tokens[b]),
-             # TensorBoard in the lab, started at this first visit on B's node (scripts/lab_settings.py)
-             "GET tensorboard runs": http("GET", f"{lab}/tensorboard/data/runs", tokens[b])[0]}
-    assert owner == {"GET contents": 200, "GET hub user": 200, "websocket": 101, "GET tensorboard runs": 200}, owner
+             # TensorBoard in the lab, started at that first visit (scripts/lab_settings.py), on B's runs/
+             "GET tensorboard runs": [board[0], "hub_check/tb" in board[1]]}
+    assert owner == {"GET contents": 200, "GET hub user": 200, "websocket": 101,
+                     "GET tensorboard runs": [200, True]}, owner
 
     # A's browser, logged in as A, opens B's lab: B's lab sends it to the hub's OAuth page, which refuses A.
     page = pages[a].context.new_page()

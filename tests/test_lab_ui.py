@@ -215,10 +215,10 @@ def tensorboard_in_the_lab(page, lab: Lab) -> None:
     opener = urllib.request.build_opener(NoRedirect)
     try:
         opener.open(request, timeout=30)
-        status = 200
+        answer = (200, "")
     except urllib.error.HTTPError as err:
-        status = err.code
-    assert status == 302, status
+        answer = (err.code, err.headers.get("Location", "").split("?")[0])
+    assert answer == (302, "/login"), answer
 
 
 class NoRedirect(urllib.request.HTTPRedirectHandler):

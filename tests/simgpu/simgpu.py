@@ -76,8 +76,8 @@ import time
 import types
 import weakref
 
-ENV_PREFIXES = ("CUDA_", "ROCR_", "HIP_", "ZE_", "ONEAPI_", "CCL_", "NCCL_", "TORCH_NCCL", "TORCH_FR", "LOCAL_RANK", "RANK", "WORLD_SIZE",
-                "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "TUTORIAL_")
+ENV_PREFIXES = ("CUDA_", "ROCR_", "HIP_", "ZE_", "ONEAPI_", "CCL_", "NCCL_", "TORCH_NCCL", "TORCH_FR", "LOCAL_RANK",
+                "RANK", "WORLD_SIZE", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "TUTORIAL_")
 # TUTORIAL_SIMGPU_VENDOR=rocm: an AMD node's ROCm build of torch (torch.version.hip set, cuda None, RCCL under
 # NCCL's name), whose GPUs are picked by ROCR_VISIBLE_DEVICES and, on top of its list, HIP_VISIBLE_DEVICES (or its alias
 # CUDA_VISIBLE_DEVICES); an MI250X's GCDs. TUTORIAL_SIMGPU_VENDOR=xpu: an Intel node's XPU build (Aurora's: 6 Data
@@ -829,7 +829,8 @@ def _where(dev):
         if XPU and dev.type == "cuda":  # an Intel node's torch has no CUDA: code that names "cuda" fails there
             raise AssertionError(NOT_COMPILED)
         if dev.type == "xpu":  # and a CUDA build has no XPU
-            raise RuntimeError("PyTorch is not linked with support for xpu devices (simulated GPUs: a CUDA build)")
+            raise RuntimeError("PyTorch is not linked with support for xpu devices (simulated GPUs: a CUDA or ROCm "
+                               "build)")
         return None
     return False
 

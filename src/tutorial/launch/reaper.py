@@ -36,7 +36,7 @@ def reap(cluster_file: str, tag: str) -> None:
     """Wait for the pipe to end, then stop the cluster and every process with its tag. The sweep runs even where
     the cluster file is gone: a kernel killed in the middle of its stop (a restart kills it 5 s after asking it to
     shut down, and ipyparallel's own stop at exit removes the file before its engines are gone) left an engine and
-    its nanny running until their 87 s without a hub (test_cluster, under load, 2026-11-30)."""
+    its nanny running until their 175 s without a hub (test_cluster, under load, 2026-11-30)."""
     sys.stdin.read()
     try:
         if os.path.exists(cluster_file):
