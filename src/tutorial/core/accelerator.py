@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .visible import HIDDEN
+from .visible import GPU_DEVICE_TYPES, HIDDEN
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,6 @@ AMD = Vendor("rocm", "AMD", "cuda", "ROCm", "RCCL", ("ROCR_VISIBLE_DEVICES", "HI
 # Level Zero's mask of the devices a process sees: "0,1", or "0.1" for tile 1 of card 0 (Aurora's 6 cards are 12
 # tiles, 12 devices to torch).
 INTEL = Vendor("xpu", "Intel", "xpu", "XPU", "oneCCL", ("ZE_AFFINITY_MASK",), WHEELS + "xpu")
-GPU_DEVICE_TYPES = ("cuda", "xpu")
 
 
 def device_type() -> str | None:

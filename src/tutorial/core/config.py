@@ -12,6 +12,8 @@ import re
 import sys
 from dataclasses import dataclass
 
+from .visible import GPU_DEVICE_TYPES
+
 DATASETS = ("digits", "mnist", "cifar10", "imagefolder", "synthetic")
 MODELS = ("cnn", "cnn_bn", "resnet18", "resnet34", "resnet50")
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -157,7 +159,7 @@ class TrainConfig:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} {getattr(self, name)} is not used by train_{stage}; it works in "
                                   f"{', '.join('train_' + s for s in stages)} (leave it at its default here)")
-        if self.sync_bn and device is not None and device.type not in ("cuda", "xpu"):
+        if self.sync_bn and device is not None and device.type not in GPU_DEVICE_TYPES:
             raise ConfigError("sync-bn needs GPUs: SyncBatchNorm (torch's and Horovod's) works on GPU tensors only "
                               "(NVIDIA's and AMD's, and torch's on Intel's)")
         return self

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field, fields
 
 from ..core.config import ConfigError
 from ..core.process import open_mpi_env, threads_per_process
+from ..core.visible import GPU_DEVICE_TYPES
 from . import child_processes
 
 ENGINE_KINDS = ("local", "mpi", "slurm", "pbs")
-DEVICES = ("auto", "gpu", "cpu")
-GPU_NAMES = ("cuda", "xpu")  # torch's names of a GPU (NVIDIA's and AMD's, Intel's): each means device="gpu"
+DEVICES = ("auto", "gpu", "cpu")  # and torch's names of a GPU (visible.GPU_DEVICE_TYPES), which mean "gpu"
 ON_FAILURE = ("restart", "stop")
 BATCH_KINDS = ("slurm", "pbs")
 # The program each kind of engines needs here, and where to get it.
@@ -92,7 +92,7 @@ def check(n, engines: str, *, device: str, gpus, timeout: float, run_timeout: fl
     named = {f.name for f in fields(Where)} - {"ipp"}  # the rest are ipyparallel.Cluster's
     place = Where(**{k: v for k, v in where.items() if k in named},
                   ipp={k: v for k, v in where.items() if k not in named})
-    device = "gpu" if device in GPU_NAMES else device
+    device = "gpu" if device in GPU_DEVICE_TYPES else device
     n, use_cuda = engine_count(n, engines, device, elsewhere=engines == "mpi" and bool(place.mpi_args), gpus=gpus)
     if on_failure not in ON_FAILURE:
         raise ClusterError(f"on_failure {on_failure!r} is not one of: {', '.join(ON_FAILURE)}")
