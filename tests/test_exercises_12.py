@@ -208,7 +208,65 @@ def test_the_merged_trace_is_one_chrome_trace_with_a_process_per_rank(tmp_path):
     assert len(pids) == 1
 
 
-def test_the_straggler_is_the_rank_that_communicates_least():
-    breakdowns = [dict(communication=58.0, compute=18.0), dict(communication=13.0, compute=62.0)]
-    assert lesson.slowest_rank(breakdowns) == 1
-    assert lesson.slowest_rank(breakdowns[::-1]) == 0
+def _gpu_shaped_trace(late_rank: int, steps: int = 3) -> dict:
+    """A merged trace as two ranks on GPUs write it: each step's all-reduce is a CPU launch (tens of microseconds)
+    and an NCCL kernel; the late rank launches 30 ms after the other, whose kernel waits the 30 ms for it."""
+    events = []
+    for step in range(steps):
+        t0 = step * 100_000.0
+        for rank in (0, 1):
+            late = 30_000.0 if rank == late_rank else 0.0
+            launch = 80.0 if rank == late_rank else 40.0  # the late rank's launches are the slower ones here
+            events += [
+                {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "pid": f"rank {rank}", "tid": 1,
+                 "ts": t0 + late, "dur": launch},
+                {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "pid": f"rank {rank}",
+                 "tid": 7, "ts": t0 + late + 10, "dur": 31_000.0 - late},
+            ]
+    return {"traceEvents": events}
+
+
+def test_the_straggler_is_the_rank_that_enters_the_collectives_last():
+    for late_rank in (0, 1):
+        trace = _gpu_shaped_trace(late_rank)
+        assert lesson.straggler(trace) == late_rank
+        rows = lesson.late_starts(trace)
+        assert [row["entered_last"] for row in rows] == [3 * (r == late_rank) for r in (0, 1)]
+        assert rows[late_rank]["behind_ms"] == pytest.approx(30.0) and rows[1 - late_rank]["behind_ms"] == 0.0
+    # the control: f7f8195's rule, the rank that communicates least by the CPU's collective ops, names the wrong rank
+    # on a GPU, where those ops are launches
+    trace = _gpu_shaped_trace(late_rank=1)
+    launches = [sum(e["dur"] for e in trace["traceEvents"] if e["pid"] == f"rank {r}" and e["cat"] == "cpu_op")
+                for r in (0, 1)]
+    assert min((0, 1), key=launches.__getitem__) == 0
+
+
+def test_a_cpu_trace_without_kernels_is_read_by_its_c10d_calls():
+    trace = _gpu_shaped_trace(late_rank=1)
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if e["cat"] == "cpu_op"]
+    assert lesson.straggler(trace) == 1
+    assert lesson.late_starts(trace)[1]["behind_ms"] == pytest.approx(30.0)
+
+
+def test_a_gpu_profile_is_broken_down_by_its_kernels():
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def event(name, start, end, device=DeviceType.CPU):
+        return FunctionEvent(id=0, name=name, thread=1, start_us=start, end_us=end, device_type=device)
+
+    class Profile:  # what breakdown reads of torch.profiler.profile: its events
+        def __init__(self, events):
+            self._events = events
+
+        def events(self):
+            return self._events
+
+    step = [event("ProfilerStep#1", 0, 50_000), event("aten::mm", 100, 200), event("c10d::allreduce_", 300, 340)]
+    kernels = [event("ampere_sgemm_128x64_nn", 1_000, 11_000, DeviceType.CUDA),
+               event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 5_000, 35_000, DeviceType.CUDA)]
+    gpu = lesson.breakdown(Profile(step + kernels))
+    assert gpu["communication"] == pytest.approx(30.0) and gpu["compute"] == pytest.approx(4.0)
+    assert gpu["overlap"] == pytest.approx(6.0 / 30.0) and gpu["idle"] == pytest.approx(50.0 - 34.0)
+    # the control: the same step read from its CPU ops alone sees a 40 microsecond launch as all its communication
+    assert lesson.breakdown(Profile(step))["communication"] == pytest.approx(0.04)

@@ -5,6 +5,13 @@ from __future__ import annotations
 import json
 import os
 
+from torch.autograd import DeviceType
+
+# NCCL's kernels (RCCL's keep the names): on a GPU a collective is a kernel; the CPU op only launches it and returns,
+# and the kernel waits on the device for the other ranks.
+COLLECTIVE_KERNELS = ("nccl",)
+COLLECTIVE_OPS = ("gloo:", "nccl:", "c10d::", "record_param_comms")  # the CPU side: what a rank calls and gloo runs
+
 def _union(intervals) -> list:
     merged = []
     for start, end in sorted(intervals):
@@ -30,18 +37,25 @@ def _intersect(a, b) -> list:
 
 
 def breakdown(prof) -> dict:
-    """A rank's time per profiled step, from the profiler's own events (prof.events(): name, thread, time range):
-    communication = the collectives (gloo:/nccl: and c10d ops, on whatever thread runs them), compute = the ops the
-    step's thread ran outside them, idle = the rest of the step; overlap = the share of communication during which
-    the step's thread computed. Milliseconds, the mean over the profiled steps."""
+    """A rank's time per profiled step, from the profiler's own events (prof.events(): name, thread, device, time
+    range). Where a GPU ran the step, its kernels: communication = the collective kernels, compute = the other
+    kernels (the CPU's NCCL ops are launches of a few microseconds; a rank's wait is inside its kernel). Without
+    kernels, the CPU's: communication = the collectives (gloo:/nccl: and c10d ops, on whatever thread runs them),
+    compute = the ops the step's thread ran outside them. Idle = the rest of the step; overlap = the share of
+    communication during which compute ran. Milliseconds, the mean over the profiled steps."""
     events = list(prof.events())
     steps = [e for e in events if e.name.startswith("ProfilerStep")]
-    main = steps[0].thread
-    comm_names = ("gloo:", "nccl:", "c10d::", "record_param_comms")
-    comm = _union((e.time_range.start, e.time_range.end) for e in events if e.name.startswith(comm_names))
-    ops = _union((e.time_range.start, e.time_range.end) for e in events
-                 if e.thread == main and e.cpu_parent is not None and e.cpu_parent.name.startswith("ProfilerStep")
-                 and not e.name.startswith(comm_names))
+    kernels = [e for e in events if e.device_type != DeviceType.CPU]
+    if kernels:
+        comm = _union((e.time_range.start, e.time_range.end) for e in kernels if e.name.startswith(COLLECTIVE_KERNELS))
+        ops = _union((e.time_range.start, e.time_range.end) for e in kernels
+                     if not e.name.startswith(COLLECTIVE_KERNELS))
+    else:
+        main = steps[0].thread
+        comm = _union((e.time_range.start, e.time_range.end) for e in events if e.name.startswith(COLLECTIVE_OPS))
+        ops = _union((e.time_range.start, e.time_range.end) for e in events
+                     if e.thread == main and e.cpu_parent is not None
+                     and e.cpu_parent.name.startswith("ProfilerStep") and not e.name.startswith(COLLECTIVE_OPS))
     totals = dict(step=0.0, compute=0.0, communication=0.0, idle=0.0, overlap=0.0)
     for s in steps:
         window = [[s.time_range.start, s.time_range.end]]
@@ -57,10 +71,44 @@ def breakdown(prof) -> dict:
     return mean
 
 
-def slowest_rank(breakdowns: list) -> int:
-    """The straggler: the rank that spends the least time in communication, because the others wait in theirs for
-    it (HolisticTraceAnalysis' rule for GPU traces, applied to these)."""
-    return min(range(len(breakdowns)), key=lambda r: breakdowns[r]["communication"])
+def collective_starts(trace: dict) -> dict:
+    """Each rank's collectives in a merged trace (merge_traces), in the order it entered them: their start times
+    (microseconds, the node's clock). Where the rank's trace has collective kernels, their starts (a rank's kernel
+    starts when its stream reaches it); else the starts of the c10d ops it called. Ranks: {rank: [start, ...]}."""
+    kernels, calls = {}, {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X" or not str(e.get("pid", "")).startswith("rank "):
+            continue
+        rank = int(e["pid"].split()[1])
+        if e.get("cat") == "kernel" and e["name"].startswith(COLLECTIVE_KERNELS):
+            kernels.setdefault(rank, []).append(e["ts"])
+        elif e.get("cat") == "cpu_op" and e["name"].startswith("c10d::"):
+            calls.setdefault(rank, []).append(e["ts"])
+    ranks = sorted(kernels.keys() | calls.keys())
+    return {r: sorted(kernels.get(r) or calls[r]) for r in ranks}
+
+
+def late_starts(trace: dict) -> list:
+    """Per rank: of the collectives every rank entered (the n-th of each rank is the same collective: they must
+    call them in one order), how many it entered last, the others already waiting in theirs, and how many
+    milliseconds after the first rank it entered them on average."""
+    starts = collective_starts(trace)
+    n = min(map(len, starts.values()))
+    rows = {r: dict(rank=r, entered_last=0, behind_ms=0.0) for r in starts}
+    for i in range(n):
+        first = min(s[i] for s in starts.values())
+        last = max(starts, key=lambda r: starts[r][i])
+        rows[last]["entered_last"] += 1
+        for r, s in starts.items():
+            rows[r]["behind_ms"] += (s[i] - first) / 1e3 / n
+    return [rows[r] for r in sorted(rows)]
+
+
+def straggler(trace: dict) -> int:
+    """The rank the others wait for: the one that enters the collectives last most often (then the furthest
+    behind), HolisticTraceAnalysis' rule for GPU traces. Not the rank that communicates least: on a GPU the CPU side
+    of a collective is a launch, and a rank's wait lands in its kernel or in a later copy."""
+    return max(late_starts(trace), key=lambda row: (row["entered_last"], row["behind_ms"]))["rank"]
 
 
 def merge_traces(paths: list, out: str) -> dict:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..bench.plan import (FLOAT, activation_bytes, forward_collectives, largest_micro_batch,  # noqa: F401
                           parameter_counts, plan_memory, refuse, stage_parameters, zero_states)
-from ..bench.traces import breakdown, merge_traces, slowest_rank  # noqa: F401 (12 calls them as lesson.*)
+from ..bench.traces import breakdown, late_starts, merge_traces, straggler  # noqa: F401 (12: lesson.*)
 from ..core.corpus import CharCorpus, batches
 from ..core.distributed import collective_device
 from ..core.gpt import GPT, GPTConfig, loss_fn
@@ -272,7 +272,7 @@ def all_reduce_bandwidth(nbytes: int = 4 << 20, repeats: int = 5) -> float:
 
 
 # ------------------------------------------------------------------------------------------------------ traces
-# breakdown, slowest_rank and merge_traces are bench.traces'; the straggler planted for them:
+# breakdown, merge_traces, late_starts and straggler are bench.traces'; the straggler planted for them:
 def planted_straggler(rank: int, slow_rank: int, ms: float = 30.0):
     """A step's extra work on `slow_rank` only (matrix products for about `ms` milliseconds, as a slower GPU or a
     noisy neighbour would add): the function a cell calls every step."""
