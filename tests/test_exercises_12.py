@@ -61,12 +61,21 @@ def test_the_planner_answers_the_budget_question_as_a_run_measures_it():
 
 
 def test_the_measured_memory_matches_the_plan_and_a_plan_without_optimizer_state_does_not(cluster):
-    cluster.run(on_every_rank, lesson.memory_runs, ("ddp", "fsdp2", "pp"))
+    cluster.run(on_every_rank, lesson.memory_runs, ("ddp", "ddp+bucket-view", "fsdp2", "pp"))
     runs = [value for _, value in cluster.results]
     assert all(status == "ok" for status, _ in cluster.results), cluster.results
     table = lesson.memory_table(runs, states=lesson.solution_states_per_rank)
-    assert len(table) == 6 and all(r["within"] for r in table), table
+    assert len(table) == 8 and all(r["within"] for r in table), table
     assert not any(r["within"] for r in lesson.memory_table(runs, states=lesson.states_per_rank))
+    # the allocator sees DDP's buckets: a second copy of the gradients, gone with gradient_as_bucket_view=True
+    for per_rank in runs:
+        gradients = {m["strategy"]: m["gradients"] for m in per_rank}
+        assert gradients["ddp"] == pytest.approx(2 * gradients["ddp+bucket-view"], rel=0.01), gradients
+    # the control: a "measurement" that multiplies the gradients' numel by their element size (what the tensors
+    # say: the parameters' bytes) sees no buckets, and DDP's rows then miss the plan
+    counted = [[dict(m, gradients=m["parameters"]) for m in per_rank] for per_rank in runs]
+    rows = lesson.memory_table(counted, states=lesson.solution_states_per_rank)
+    assert [r["within"] for r in rows if r["strategy"] == "ddp"] == [False, False]
 
 
 # Exercise 2: collectives, predicted then counted

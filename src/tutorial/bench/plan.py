@@ -71,13 +71,15 @@ def zero_states(n_params: int, zero: int, dp: int) -> dict:
 
 
 def plan_memory(cfg: GPTConfig, layout: Layout, micro_batch: int, stage: int = 0, states=None) -> dict:
-    """Bytes per rank of pipeline stage `stage`: parameters, gradients, optimizer state (from `states`, the
-    function 12's learner completes: zero_states by default) and activations; FSDP2 also keeps the
-    root module's gathered weights (embedding, final norm, head: not resharded after forward, backward needs them
-    at once) until backward."""
+    """Bytes per rank of pipeline stage `stage`: parameters, gradients (with DDP's buckets where the layout has
+    them), optimizer state (from `states`, the function 12's learner completes: zero_states by default) and
+    activations; FSDP2 also keeps the root module's gathered weights (embedding, final norm, head: not resharded
+    after forward, backward needs them at once) until backward."""
     states = states or zero_states
     n = stage_parameters(cfg, layout, stage)
     plan = dict(states(n, layout.zero, layout.dp))
+    if layout.buckets:  # DDP's reducer: a second copy of the fp32 gradients, all-reduced bucket by bucket
+        plan["gradients"] += n * FLOAT
     plan["activations"] = activation_bytes(cfg, layout, micro_batch, stage)
     if layout.zero >= 3 and layout.dp > 1 and layout.pp == 1:
         counts = parameter_counts(cfg)

@@ -12,12 +12,15 @@ from .config import ConfigError
 @dataclass(frozen=True)
 class Layout:
     """How a job is cut: dp data-parallel replicas (zero: 0 = DDP, 1/2/3 = ZeRO stage, 3 is FSDP2), tp ranks per
-    tensor-parallel group, pp pipeline stages; checkpointing = each block recomputed in backward."""
+    tensor-parallel group, pp pipeline stages; checkpointing = each block recomputed in backward; buckets = DDP's
+    reducer keeps its buckets beside the gradients, a flat copy of them (DDP's default; gradient_as_bucket_view=True
+    makes the gradients views into the buckets instead)."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
     zero: int = 0
     checkpointing: bool = False
+    buckets: bool = False
 
     @property
     def world(self) -> int:

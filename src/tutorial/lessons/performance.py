@@ -9,6 +9,7 @@ the ranks' traces in bench.traces, the layout and its checks in core.layout.
 """
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 
@@ -27,7 +28,7 @@ from .ranks import first_error, on_every_rank
 # FSDP2 warns that the GPT returns a view (its head's matmul output); the step never writes into it in place.
 warnings.filterwarnings("ignore", r"FSDP2-wrapped module .* returned a view tensor", UserWarning)
 
-STRATEGIES = ("ddp", "ddp+checkpointing", "fsdp2", "tp", "pp")
+STRATEGIES = ("ddp", "ddp+bucket-view", "ddp+checkpointing", "fsdp2", "tp", "pp")
 
 
 # --------------------------------------------------------------------------------------------------- the planner
@@ -45,7 +46,7 @@ solution_states_per_rank = zero_states  # exercise 1's answer is the planner's o
 
 # ---------------------------------------------------------------------------------------------- memory, measured
 def _local_bytes(tensors) -> int:
-    """Bytes of distinct storages among `tensors` (a DTensor: its local shard only), as an allocator counts them."""
+    """Bytes of distinct storages among `tensors` (a DTensor: its local shard only)."""
     seen = {}
     for t in tensors:
         if t is None:
@@ -56,37 +57,52 @@ def _local_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _forward_bytes(model, X, y, device) -> int:
-    """What a forward (and the loss) leaves allocated: the profiler's memory records on the CPU (profile_memory=True,
-    the net bytes of the region), the GPU allocator's counter on a GPU."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+def _settle():
+    """Wait until every rank is here and a collective's buffers that its work object frees after it completes are
+    freed (gloo's, on their own threads)."""
+    if dist.is_initialized():
+        dist.barrier()
+    time.sleep(0.05)
+    gc.collect()
+
+
+def _allocated(fn, device, settle: bool = True) -> tuple:
+    """Run fn(): the bytes the allocator holds after it less before (what it allocated and kept), and fn's result.
+    On a GPU the device allocator's counter; on the CPU the profiler's memory events (profile_memory=True: every
+    allocation and free), summed. settle: read once every rank got there and collectives' buffers were freed."""
+    from torch.profiler import ProfilerActivity, profile
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
         before = torch.accelerator.memory_allocated(device)
-        loss = loss_fn(model(X), y) if y is not None else model(X)
+        out = fn()
+        if settle:
+            _settle()
         torch.accelerator.synchronize(device)
-        return torch.accelerator.memory_allocated(device) - before, loss
+        return torch.accelerator.memory_allocated(device) - before, out
+    gc.collect()  # the garbage of earlier steps freed now, not inside fn's count
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function("forward"):
-            loss = loss_fn(model(X), y) if y is not None else model(X)
-    return next(e for e in prof.events() if e.name == "forward").cpu_memory_usage, loss
+        out = fn()
+        if settle:
+            _settle()
+    return sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), out
 
 
-def build_strategy(strategy: str, cfg: GPTConfig, device, rank: int, world: int):
+def build_strategy(strategy: str, cfg: GPTConfig, device, rank: int, world: int, wrap: bool = True):
     """The GPT as `strategy` lays it out on this rank of a group of `world` (CPU or this rank's GPU), and the
-    Layout the planner reads."""
+    Layout the planner reads. wrap=False: the DDP strategies' model before DDP wraps it (wrap_ddp does)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     from .. import train_tp
     from ..core.gpt import pipeline_stage
     model = GPT(cfg, seed=0).to(device)
-    if strategy in ("ddp", "ddp+checkpointing"):
-        from torch.nn.parallel import DistributedDataParallel as DDP
+    if strategy in ("ddp", "ddp+checkpointing", "ddp+bucket-view"):
         if strategy == "ddp+checkpointing":
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
             for name in list(model.blocks):  # no dropout in the GPT: no random state to replay in backward
                 model.blocks[name] = checkpoint_wrapper(model.blocks[name], preserve_rng_state=False)
-        return DDP(model), Layout(dp=world, checkpointing=strategy.endswith("checkpointing"))
+        layout = Layout(dp=world, checkpointing=strategy.endswith("checkpointing"),
+                        buckets=not strategy.endswith("bucket-view"))
+        return (wrap_ddp(model, layout) if wrap else model), layout
     if strategy == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh(device.type, (world,))
@@ -100,39 +116,66 @@ def build_strategy(strategy: str, cfg: GPTConfig, device, rank: int, world: int)
         return model, Layout(tp=world)
     if strategy == "pp":
         return pipeline_stage(model, rank, world), Layout(pp=world)
-    raise ValueError(f"strategy {strategy!r} is not one of: {', '.join(STRATEGIES)}")
+    if strategy == "single":
+        return model, Layout()
+    raise ValueError(f"strategy {strategy!r} is not one of: {', '.join(STRATEGIES)}, single")
+
+
+def wrap_ddp(model, layout: Layout):
+    """DDP as the layout has it: its reducer allocates buckets, a flat copy of the gradients it all-reduces, unless
+    gradient_as_bucket_view=True makes the gradients views into them."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return DDP(model, gradient_as_bucket_view=not layout.buckets, init_sync=False)
 
 
 def measure_memory(strategy: str, batch_size: int = 16, steps: int = 3) -> dict:
-    """On every rank of a group: `strategy`'s GPT trained for `steps` AdamW steps on the global batch (each data-
-    parallel rank its share, TP ranks all of it, each pipeline stage its blocks on the whole batch, as GPipe holds
-    every micro-batch's activations before the first backward); then what this rank holds, measured on the tensors
-    (parameters, gradients, optimizer state: their local storage) and by the profiler (the last forward's net
-    allocation)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = collective_device()
+    """On every rank of a group (strategy "single": in this process, on the CPU, no group): `strategy`'s GPT
+    trained for `steps` AdamW steps on the global batch (each data-parallel rank its share, TP ranks all of it, each
+    pipeline stage its blocks on the whole batch, as GPipe holds every micro-batch's activations before the first
+    backward). What this rank holds, measured at the allocator phase by phase: the parameters are what building
+    the layout kept; the gradients what DDP's wrap (its buckets) and the first forward and backward kept; the
+    optimizer state what the first step kept; the activations what the last forward kept."""
+    alone = strategy == "single"
+    rank, world = (0, 1) if alone else (dist.get_rank(), dist.get_world_size())
+    device = torch.device("cpu") if alone else collective_device()
     cfg = GPTConfig()
-    model, layout = build_strategy(strategy, cfg, device, rank, world)
+    parameters, (model, layout) = _allocated(lambda: build_strategy(strategy, cfg, device, rank, world, wrap=False),
+                                             device)
+    gradients = 0
+    if strategy.startswith("ddp"):
+        gradients, model = _allocated(lambda: wrap_ddp(model, layout), device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     share = batch_size // layout.dp
     micro = share if layout.pp == 1 else batch_size
     rows = slice(rank * share, (rank + 1) * share) if layout.dp > 1 else slice(None)  # TP, PP: the whole batch
-    for X, y in batches(CharCorpus(), batch_size, cfg.context, steps, seed=0):
+
+    def forward(X, y):  # a pipeline stage alone: the first maps tokens to activations, the last those to the loss
+        return model(X) if layout.pp > 1 and rank < world - 1 else loss_fn(model(X), y)
+
+    def backward(out):
+        (out if out.dim() == 0 else out.sum()).backward()
+
+    for i, (X, y) in enumerate(batches(CharCorpus(), batch_size, cfg.context, steps, seed=0)):
         X, y = X[rows].to(device), y[rows].to(device)
+        if layout.pp > 1 and rank > 0:  # a later stage's input, as if received from the one before
+            X = torch.randn(batch_size, cfg.context, cfg.d_model, device=device)
         optimizer.zero_grad(set_to_none=True)
-        if layout.pp > 1:  # a stage alone: the first maps tokens to activations, the last activations to the loss
-            inputs = X if rank == 0 else torch.randn(batch_size, cfg.context, cfg.d_model, device=device)
-            activations, out = _forward_bytes(model, inputs, y if rank == world - 1 else None, device)
-            out.sum().backward() if rank < world - 1 else out.backward()
+        if i == 0:  # the step that allocates the gradients and the optimizer state; nothing else outlives it
+            kept, _ = _allocated(lambda: backward(forward(X, y)), device)
+            gradients += kept
+            states, _ = _allocated(optimizer.step, device)
         else:
-            activations, loss = _forward_bytes(model, X, y, device)
-            loss.backward()
-        optimizer.step()
-    params = list(model.parameters())
+            activations, out = _allocated(lambda: forward(X, y), device, settle=False)
+            backward(out)
+            optimizer.step()
+    if layout.tp > 1 or layout.zero == 3:  # TP's and FSDP2's collectives keep buffers of their own past a step, a
+        # varying amount (0.03-0.65 MB per rank here on gloo, 2026-11-30): their states are read from their tensors'
+        # storages instead
+        params = list(model.parameters())
+        parameters, gradients = _local_bytes(params), _local_bytes(p.grad for p in params)
+        states = _local_bytes(t for s in optimizer.state.values() for t in s.values())
     return dict(strategy=strategy, rank=rank, layout=layout, micro_batch=micro, stage=rank if layout.pp > 1 else 0,
-                parameters=_local_bytes(params), gradients=_local_bytes(p.grad for p in params),
-                optimizer=_local_bytes(t for s in optimizer.state.values() for t in s.values()),
-                activations=activations)
+                parameters=parameters, gradients=gradients, optimizer=states, activations=activations)
 
 
 def memory_runs(strategies=STRATEGIES, batch_size: int = 16) -> list:
@@ -155,20 +198,11 @@ def memory_table(runs: list, states=None, tolerance: float = 0.10) -> list:
     return rows
 
 
-def measured_total(batch_size: int, cfg: GPTConfig | None = None) -> int:
-    """In this process: the GPT trained for 2 AdamW steps on batches of `batch_size`; parameters, gradients and
-    optimizer state on the tensors, plus the last forward's activations (profiler), in bytes."""
-    cfg = cfg or GPTConfig()
-    model = GPT(cfg, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for X, y in batches(CharCorpus(), batch_size, cfg.context, 2, seed=0):
-        optimizer.zero_grad(set_to_none=True)
-        activations, loss = _forward_bytes(model, X, y, torch.device("cpu"))
-        loss.backward()
-        optimizer.step()
-    params = list(model.parameters())
-    return (_local_bytes(params) + _local_bytes(p.grad for p in params)
-            + _local_bytes(t for s in optimizer.state.values() for t in s.values()) + activations)
+def measured_total(batch_size: int) -> int:
+    """In this process: the GPT trained for 2 AdamW steps on batches of `batch_size`; what the allocator kept for
+    parameters, gradients and optimizer state, and the last forward's activations, in bytes."""
+    m = measure_memory("single", batch_size, steps=2)
+    return m["parameters"] + m["gradients"] + m["optimizer"] + m["activations"]
 
 
 # ------------------------------------------------------------------------------------------------- collectives
