@@ -336,6 +336,9 @@ LESSONS_MEMORY = """
     out["activations measured"] = [r["activations"] for r in runs[0]]
     out["planner"] = [r["within"] for r in performance.memory_table(runs, states=performance.solution_states_per_rank)]
     out["skeleton"] = [r["within"] for r in performance.memory_table(runs, states=performance.states_per_rank)]
+    alone = performance.measure_memory("single", device=cuda)  # 12's one-rank cell on an attendee's own GPU
+    out["single"] = performance.memory_table([[alone]], states=performance.solution_states_per_rank)[0]["within"]
+    out["buckets"] = [r["gradients"] for r in runs[0]] + [alone["gradients"]]
     print(json.dumps(out))
 """
 
@@ -358,6 +361,9 @@ def test_the_lessons_gpu_memory_measurements_on_a_simulated_gpu():
     assert ddp["gpu_peak"] >= ddp["parameters"] * 2 + ddp["gradients"] + ddp["optimizer_state"], ddp  # + buckets
     assert all(a > 0 for a in got["activations measured"]) and got["planner"] == [True, True], got
     assert got["skeleton"] == [False, False], got
+    # the allocator's DDP holds its buckets beside the gradients (within the caching allocator's rounding)
+    ddp, checkpointed, alone = got["buckets"]
+    assert got["single"] and ddp == checkpointed and 1.98 < ddp / alone < 2.02, got
 
 
 NCCL_PAIR = """

@@ -136,16 +136,20 @@ def wrap_ddp(model, layout: Layout):
     return DDP(model, gradient_as_bucket_view=not layout.buckets, init_sync=False)
 
 
-def measure_memory(strategy: str, batch_size: int = 16, steps: int = 3) -> dict:
-    """On every rank of a group (strategy "single": in this process, on the CPU, no group): `strategy`'s GPT
-    trained for `steps` AdamW steps on the global batch (each data-parallel rank its share, TP ranks all of it, each
-    pipeline stage its blocks on the whole batch, as GPipe holds every micro-batch's activations before the first
-    backward). What this rank holds, measured at the allocator phase by phase: the parameters are what building
+def measure_memory(strategy: str, batch_size: int = 16, steps: int = 3, device=None) -> dict:
+    """On every rank of a group (strategy "single": in this process, on `device` or the CPU, no group):
+    `strategy`'s GPT trained for `steps` AdamW steps on the global batch (each data-parallel rank its share, TP ranks
+    all of it, each pipeline stage its blocks on the whole batch, as GPipe holds every micro-batch's activations
+    before the first backward). What this rank holds, measured at the allocator phase by phase: the parameters are what building
     the layout kept; the gradients what DDP's wrap (its buckets) and the first forward and backward kept; the
     optimizer state what the first step kept; the activations what the last forward kept."""
     alone = strategy == "single"
     rank, world = (0, 1) if alone else (dist.get_rank(), dist.get_world_size())
-    device = torch.device("cpu") if alone else collective_device()
+    device = torch.device(device or "cpu") if alone else collective_device()
+    if device.type != "cpu":  # the BLAS library's workspace, allocated by its first matmul, is nobody's state
+        warm = torch.ones(8, 8, device=device, requires_grad=True)
+        (warm @ warm).sum().backward()
+        del warm
     cfg = GPTConfig()
     parameters, _, (model, layout) = _allocated(lambda: build_strategy(strategy, cfg, device, rank, world, wrap=False),
                                              device)
