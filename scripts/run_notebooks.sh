@@ -11,6 +11,7 @@ for nb in "${notebooks[@]}"; do
   start=$(date +%s)
   "$VENV/bin/jupyter" nbconvert --to notebook --execute --inplace --ExecutePreprocessor.kernel_name=tutorial \
     --ExecutePreprocessor.timeout=900 "$nb"
+  "$VENV/bin/python" scripts/relative_outputs.py "$nb"  # runs/... and .venv/..., not this checkout's absolute path
   echo "executed $nb in $(( $(date +%s) - start )) s"
 done
 "$VENV/bin/python" scripts/course_plan.py  # the plan's CPU column is the stored cell times

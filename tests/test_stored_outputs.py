@@ -95,3 +95,27 @@ def test_every_listed_exception_is_still_printed():
     for name, text, reason in INDEPENDENT:
         notebook = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())
         assert any(text in out for _, out in compared_outputs(notebook)), (name, text, reason)
+
+
+# A stored output that names a checkout's absolute path: a run's folder (…/notebooks/runs/…) or the venv (…/.venv/…).
+CHECKOUT_PATH = re.compile(r"/[^\s'\"]*/(notebooks/runs|\.venv)/")
+
+
+def test_no_stored_output_names_the_checkouts_absolute_path():
+    """`make notebooks` stores runs/… and .venv/… (scripts/relative_outputs.py): what the slides and a learner see
+    does not carry the maintainer's folders. Control: the rewrite's own input is found, its output is not."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("relative_outputs", ROOT / "scripts" / "relative_outputs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = []
+    for path in NOTEBOOKS:
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            for output in cell.get("outputs", []):
+                text = "".join(output.get("text", "")) + "".join(output.get("data", {}).get("text/plain", ""))
+                text += "".join(output.get("traceback", []))
+                found += [f"{path.name} cell {i}: {m.group(0)}" for m in CHECKOUT_PATH.finditer(text)]
+    assert not found, found
+    printed = "reports are in /home/me/work/notebooks/runs/03/check; binary: /home/me/work/.venv/bin/python"
+    assert len(CHECKOUT_PATH.findall(printed)) == 2
+    assert module.relative(printed, "/home/me/work") == "reports are in runs/03/check; binary: .venv/bin/python"
