@@ -78,7 +78,8 @@ def plan_memory(cfg: GPTConfig, layout: Layout, micro_batch: int, stage: int = 0
     states = states or zero_states
     n = stage_parameters(cfg, layout, stage)
     plan = dict(states(n, layout.zero, layout.dp))
-    if layout.buckets:  # DDP's reducer: a second copy of the fp32 gradients, all-reduced bucket by bucket
+    if layout.buckets and layout.zero == 0:  # DDP's reducer: a second copy of the fp32 gradients, all-reduced
+        # bucket by bucket (ZeRO's stages keep buckets of their own, which this planner leaves out)
         plan["gradients"] += n * FLOAT
     plan["activations"] = activation_bytes(cfg, layout, micro_batch, stage)
     if layout.zero >= 3 and layout.dp > 1 and layout.pp == 1:

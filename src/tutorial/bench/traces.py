@@ -44,16 +44,21 @@ def breakdown(prof) -> dict:
     compute = the ops the step's thread ran outside them. Idle = the rest of the step; overlap = the share of
     communication during which compute ran. Milliseconds, the mean over the profiled steps."""
     events = list(prof.events())
-    steps = [e for e in events if e.name.startswith("ProfilerStep")]
-    kernels = [e for e in events if e.device_type != DeviceType.CPU]
-    if kernels:
+    on_cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    steps = [e for e in on_cpu if e.name.startswith("ProfilerStep")]
+    # the device's own work: kernels and copies, not the profiler's device-side copies of record_function ranges
+    kernels = [e for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation]
+    if any(e.name.startswith(COLLECTIVE_KERNELS) for e in kernels):  # (XPU's collectives have other names: CPU)
         comm = _union((e.time_range.start, e.time_range.end) for e in kernels if e.name.startswith(COLLECTIVE_KERNELS))
         ops = _union((e.time_range.start, e.time_range.end) for e in kernels
                      if not e.name.startswith(COLLECTIVE_KERNELS))
+        # the steps as the device ran them (the CPU runs ahead of it), where the profiler recorded them there
+        steps = [e for e in events if e.device_type != DeviceType.CPU and e.is_user_annotation
+                 and e.name.startswith("ProfilerStep")] or steps
     else:
         main = steps[0].thread
-        comm = _union((e.time_range.start, e.time_range.end) for e in events if e.name.startswith(COLLECTIVE_OPS))
-        ops = _union((e.time_range.start, e.time_range.end) for e in events
+        comm = _union((e.time_range.start, e.time_range.end) for e in on_cpu if e.name.startswith(COLLECTIVE_OPS))
+        ops = _union((e.time_range.start, e.time_range.end) for e in on_cpu
                      if e.thread == main and e.cpu_parent is not None
                      and e.cpu_parent.name.startswith("ProfilerStep") and not e.name.startswith(COLLECTIVE_OPS))
     totals = dict(step=0.0, compute=0.0, communication=0.0, idle=0.0, overlap=0.0)

@@ -57,20 +57,20 @@ def _local_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _settle():
-    """Wait until every rank is here and a collective's buffers that its work object frees after it completes are
-    freed (gloo's, on their own threads)."""
-    if dist.is_initialized():
+def _settle(group: bool):
+    """Wait until every rank of the group is here, and a little for the buffers that a collective's work object
+    frees after it completes (gloo's, on their own threads)."""
+    if group:
         dist.barrier()
     time.sleep(0.05)
     gc.collect()
 
 
-def _allocated(fn, device, settle: bool = True) -> tuple:
+def _allocated(fn, device, settle: bool = True, group: bool = True) -> tuple:
     """Run fn(): the bytes the allocator holds after it less before (what it allocated and kept), the most it held
     meanwhile less before (its peak), and fn's result. On a GPU the device allocator's counters; on the CPU the
     profiler's memory events (profile_memory=True: every allocation and free, in order). settle: read once every
-    rank got there and collectives' buffers were freed."""
+    rank of the group (group=False: this process alone) got there and collectives' buffers were freed."""
     from torch.profiler import ProfilerActivity, profile
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
@@ -78,7 +78,7 @@ def _allocated(fn, device, settle: bool = True) -> tuple:
         before = torch.accelerator.memory_allocated(device)
         out = fn()
         if settle:
-            _settle()
+            _settle(group)
         torch.accelerator.synchronize(device)
         return (torch.accelerator.memory_allocated(device) - before,
                 torch.accelerator.max_memory_allocated(device) - before, out)
@@ -86,7 +86,7 @@ def _allocated(fn, device, settle: bool = True) -> tuple:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
         if settle:
-            _settle()
+            _settle(group)
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     held = peak = 0
     for _, nbytes in events:
@@ -140,22 +140,27 @@ def measure_memory(strategy: str, batch_size: int = 16, steps: int = 3, device=N
     """On every rank of a group (strategy "single": in this process, on `device` or the CPU, no group):
     `strategy`'s GPT trained for `steps` AdamW steps on the global batch (each data-parallel rank its share, TP ranks
     all of it, each pipeline stage its blocks on the whole batch, as GPipe holds every micro-batch's activations
-    before the first backward). What this rank holds, measured at the allocator phase by phase: the parameters are what building
-    the layout kept; the gradients what DDP's wrap (its buckets) and the first forward and backward kept; the
-    optimizer state what the first step kept; the activations what the last forward kept."""
+    before the first backward). What this rank holds, measured at the allocator phase by phase: the parameters are
+    what building the layout kept; the gradients what DDP's wrap (its buckets) and the first forward and backward
+    kept; the optimizer state what the first step kept; the activations what the last forward kept; the peak, a
+    middle step's (steps >= 3; else None)."""
+    if steps < 2:
+        raise ValueError(f"steps={steps}: the first step allocates, a later one measures the activations; give 2 or "
+                         "more (3 or more for the peak as well)")
     alone = strategy == "single"
     rank, world = (0, 1) if alone else (dist.get_rank(), dist.get_world_size())
+    group = not alone
     device = torch.device(device or "cpu") if alone else collective_device()
     if device.type != "cpu":  # the BLAS library's workspace, allocated by its first matmul, is nobody's state
         warm = torch.ones(8, 8, device=device, requires_grad=True)
         (warm @ warm).sum().backward()
         del warm
     cfg = GPTConfig()
-    parameters, _, (model, layout) = _allocated(lambda: build_strategy(strategy, cfg, device, rank, world, wrap=False),
-                                             device)
-    buckets = peak = 0
+    parameters, _, (model, layout) = _allocated(
+        lambda: build_strategy(strategy, cfg, device, rank, world, wrap=False), device, group=group)
+    buckets, above = 0, None
     if strategy.startswith("ddp"):
-        buckets, _, model = _allocated(lambda: wrap_ddp(model, layout), device)
+        buckets, _, model = _allocated(lambda: wrap_ddp(model, layout), device, group=group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     share = batch_size // layout.dp
     micro = share if layout.pp == 1 else batch_size
@@ -173,12 +178,12 @@ def measure_memory(strategy: str, batch_size: int = 16, steps: int = 3, device=N
             X = torch.randn(batch_size, cfg.context, cfg.d_model, device=device)
         optimizer.zero_grad(set_to_none=True)
         if i == 0:  # the step that allocates the gradients and the optimizer state; nothing else outlives it
-            kept, _, _ = _allocated(lambda: backward(forward(X, y)), device)
+            kept, _, _ = _allocated(lambda: backward(forward(X, y)), device, group=group)
             gradients = buckets + kept
-            states, _, _ = _allocated(optimizer.step, device)
+            states, _, _ = _allocated(optimizer.step, device, group=group)
         elif i < steps - 1:  # a step with the optimizer state held: its peak, the most the rank ever holds
             _, above, _ = _allocated(lambda: backward(forward(X, y)), device, settle=False)
-            peak = parameters + buckets + states + above  # held as the step began (its gradients set to None)
+            above += _local_bytes([X, y])  # the step's inputs, held before it began
             optimizer.step()
         else:
             activations, _, out = _allocated(lambda: forward(X, y), device, settle=False)
@@ -190,9 +195,11 @@ def measure_memory(strategy: str, batch_size: int = 16, steps: int = 3, device=N
         params = list(model.parameters())
         parameters, gradients = _local_bytes(params), _local_bytes(p.grad for p in params)
         states = _local_bytes(t for s in optimizer.state.values() for t in s.values())
+    # the step's peak over what it began with: its inputs, parameters, buckets and optimizer state (its gradients
+    # were set to None; FSDP2's and TP's states as their tensors say)
+    peak = None if above is None else parameters + buckets + states + above
     return dict(strategy=strategy, rank=rank, layout=layout, micro_batch=micro, stage=rank if layout.pp > 1 else 0,
-                parameters=parameters, gradients=gradients, optimizer=states, activations=activations,
-                peak=peak)
+                parameters=parameters, gradients=gradients, optimizer=states, activations=activations, peak=peak)
 
 
 def memory_runs(strategies=STRATEGIES, batch_size: int = 16) -> list:
@@ -214,7 +221,8 @@ def memory_table(runs: list, states=None, tolerance: float = 0.10) -> list:
             rows.append({"strategy": m["strategy"], "rank": m["rank"],
                          **{f"{k[:5]} kB": f"{plan[k] / 1e3:.0f}/{m[k] / 1e3:.0f}" for k in kinds},
                          "worst error": max(errors), "within": max(errors) <= tolerance,
-                         "total/peak kB": f"{plan['total'] / 1e3:.0f}/{m['peak'] / 1e3:.0f}"})
+                         "total/peak kB": f"{plan['total'] / 1e3:.0f}/{m['peak'] / 1e3:.0f}" if m["peak"]
+                         else f"{plan['total'] / 1e3:.0f}/-"})
     return rows
 
 
