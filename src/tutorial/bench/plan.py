@@ -1,7 +1,8 @@
 """The memory planner of 12_performance_clinic, a tool for any layout of core.gpt's GPT: what one rank holds under
-DDP, ZeRO/FSDP2, tensor and pipeline parallel and activation checkpointing, by arithmetic (fp32 weights, AdamW), the
-largest micro-batch that fits a budget, a forward's collectives by count, and refuse(): core.layout's reasons plus
-the memory a GPU does not have. lessons.performance measures the same bytes on the engines and holds the exercises.
+DDP, ZeRO/FSDP2, tensor and pipeline parallel and activation checkpointing, by arithmetic (fp32 weights, AdamW;
+mixed_states: ZeRO's 2 + 2 + 12 bytes), the largest micro-batch that fits a budget, a forward's collectives by
+count, and refuse(): core.layout's reasons plus the memory a GPU does not have. lessons.performance measures the
+same bytes on the engines and holds the exercises.
 """
 from __future__ import annotations
 
@@ -70,11 +71,21 @@ def zero_states(n_params: int, zero: int, dp: int) -> dict:
     return dict(parameters=parameters, gradients=gradients, optimizer=optimizer)
 
 
+def mixed_states(n_params: int, zero: int, dp: int) -> dict:
+    """zero_states in mixed precision as 09 teaches it, ZeRO's accounting: bf16 weights and gradients (2 + 2 bytes
+    per parameter) and, for the optimizer, fp32 master weights with AdamW's two moments (12 bytes: ZeRO's K = 12),
+    sharded over dp by the same stages."""
+    parameters = 2 * n_params // (dp if zero >= 3 else 1)
+    gradients = 2 * n_params // (dp if zero >= 2 else 1)
+    optimizer = 12 * n_params // (dp if zero >= 1 else 1)
+    return dict(parameters=parameters, gradients=gradients, optimizer=optimizer)
+
+
 def plan_memory(cfg: GPTConfig, layout: Layout, micro_batch: int, stage: int = 0, states=None) -> dict:
     """Bytes per rank of pipeline stage `stage`: parameters, gradients (with DDP's buckets where the layout has
     them), optimizer state (from `states`, the function 12's learner completes: zero_states by default) and
     activations; FSDP2 also keeps the root module's gathered weights (embedding, final norm, head: not resharded
-    after forward, backward needs them at once) until backward."""
+    after forward, backward needs them at once) until backward, and three block units' buffers at its peak."""
     states = states or zero_states
     n = stage_parameters(cfg, layout, stage)
     plan = dict(states(n, layout.zero, layout.dp))
@@ -85,6 +96,11 @@ def plan_memory(cfg: GPTConfig, layout: Layout, micro_batch: int, stage: int = 0
     if layout.zero >= 3 and layout.dp > 1 and layout.pp == 1:
         counts = parameter_counts(cfg)
         plan["activations"] += (counts["embed"] + counts["norm"] + counts["head"] // layout.tp) * FLOAT
+    if layout.zero >= 3 and layout.dp > 1:
+        # FSDP's buffers at a step's peak, each a block unit's worth: its weights gathered for its compute, the next
+        # unit's being gathered meanwhile (prefetch), and a unit's whole gradients before their reduce-scatter
+        counts = parameter_counts(cfg)
+        plan["unit_buffers"] = 3 * (counts["block_split"] // layout.tp + counts["block_whole"]) * FLOAT
     plan["total"] = sum(plan.values())
     return plan
 

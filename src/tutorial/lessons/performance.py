@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..bench.plan import (FLOAT, activation_bytes, forward_collectives, largest_micro_batch,  # noqa: F401
-                          parameter_counts, plan_memory, refuse, stage_parameters, zero_states)
+                          mixed_states, parameter_counts, plan_memory, refuse, stage_parameters, zero_states)
 from ..bench.traces import breakdown, late_starts, merge_traces, straggler  # noqa: F401 (12: lesson.*)
 from ..core.corpus import CharCorpus, batches
 from ..core.distributed import collective_device
@@ -397,6 +397,45 @@ def dry_run(cfg: GPTConfig, layout: Layout, rank: int, nodes: int, gpus_per_node
                     forward_collectives=forward_collectives(cfg, layout, stage))
     finally:
         dist.destroy_process_group()
+
+
+def tracked_fsdp(cfg: GPTConfig, dp: int, rank: int, micro_batch: int = 1) -> dict:
+    """One training step of rank `rank` of an FSDP2 job over `dp` ranks (every block a unit, then the root), in this
+    process on torch's fake process group and fake tensors (shapes, no memory), under torch's FSDPMemTracker: the
+    bytes at the step's peak by its kinds: the rank's weights (its shards), the gathered buffers (whole weights in
+    use and prefetched, whole gradients before their reduce-scatter; the root's gathered weights apart), the
+    activations, and the tracker's total."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=dp, store=FakeStore())
+    try:
+        with torch.device("meta"):
+            model = GPT(cfg)
+        mesh = init_device_mesh("cpu", (dp,))
+        for block in model.blocks.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with FakeTensorMode(allow_non_fake_inputs=True):  # the meta model's storage made fake, then one step
+            model.to_empty(device="cpu")
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            X = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.context))
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs((X,))
+            with tracker:
+                loss_fn(model(X), X).backward()
+                optimizer.step()
+            at_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+            peak = {str(kind).split(".")[-1]: n for kind, n in at_peak.items()}  # _FSDPRefType.ACT -> ACT
+    finally:
+        dist.destroy_process_group()
+    counts = parameter_counts(cfg)
+    root = (counts["embed"] + counts["norm"] + counts["head"]) * FLOAT
+    return dict(parameters=peak["SHARDED_PARAM"], root=root, activations=peak["ACT"], total=peak["Total"],
+                unit_buffers=peak["UNSHARDED_PARAM"] - root + peak["ALL_GATHER"] + peak["REDUCE_SCATTER"])
 
 
 # ------------------------------------------------------------------------------------------------- the bug hunt
