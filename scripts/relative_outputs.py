@@ -9,6 +9,7 @@ the maintainer's folders are nobody's business, and the outputs read the same in
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -16,7 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def relative(text: str, root: str = str(ROOT)) -> str:
-    return text.replace(f"{root}/notebooks/runs/", "runs/").replace(f"{root}/", "")
+    """The checkout's absolute path taken out where a path starts with it (not inside a longer one)."""
+    start = r"(?<![\w./-])" + re.escape(root) + "/"
+    return re.sub(start, "", re.sub(start + "notebooks/runs/", "runs/", text))
 
 
 def rewrite(path: Path, root: str = str(ROOT)) -> int:

@@ -112,10 +112,11 @@ def test_no_stored_output_names_the_checkouts_absolute_path():
     for path in NOTEBOOKS:
         for i, cell in enumerate(json.loads(path.read_text())["cells"]):
             for output in cell.get("outputs", []):
-                text = "".join(output.get("text", "")) + "".join(output.get("data", {}).get("text/plain", ""))
-                text += "".join(output.get("traceback", []))
+                text = json.dumps(output, ensure_ascii=False)  # every field: text, data of every type, evalue
                 found += [f"{path.name} cell {i}: {m.group(0)}" for m in CHECKOUT_PATH.finditer(text)]
+                found += [f"{path.name} cell {i}: {ROOT}/"] if f"{ROOT}/" in text else []
     assert not found, found
     printed = "reports are in /home/me/work/notebooks/runs/03/check; binary: /home/me/work/.venv/bin/python"
     assert len(CHECKOUT_PATH.findall(printed)) == 2
     assert module.relative(printed, "/home/me/work") == "reports are in runs/03/check; binary: .venv/bin/python"
+    assert module.relative("/data/home/me/work/x.py", "/home/me/work") == "/data/home/me/work/x.py"  # not inside

@@ -85,7 +85,8 @@ def plan_memory(cfg: GPTConfig, layout: Layout, micro_batch: int, stage: int = 0
     """Bytes per rank of pipeline stage `stage`: parameters, gradients (with DDP's buckets where the layout has
     them), optimizer state (from `states`, the function 12's learner completes: zero_states by default) and
     activations; FSDP2 also keeps the root module's gathered weights (embedding, final norm, head: not resharded
-    after forward, backward needs them at once) until backward, and three block units' buffers at its peak."""
+    after forward, backward needs them at once) until backward, and (without pipeline stages) three block units'
+    buffers at its peak."""
     states = states or zero_states
     n = stage_parameters(cfg, layout, stage)
     plan = dict(states(n, layout.zero, layout.dp))
@@ -96,9 +97,11 @@ def plan_memory(cfg: GPTConfig, layout: Layout, micro_batch: int, stage: int = 0
     if layout.zero >= 3 and layout.dp > 1 and layout.pp == 1:
         counts = parameter_counts(cfg)
         plan["activations"] += (counts["embed"] + counts["norm"] + counts["head"] // layout.tp) * FLOAT
-    if layout.zero >= 3 and layout.dp > 1:
+    if layout.zero >= 3 and layout.dp > 1 and layout.pp == 1:
         # FSDP's buffers at a step's peak, each a block unit's worth: its weights gathered for its compute, the next
-        # unit's being gathered meanwhile (prefetch), and a unit's whole gradients before their reduce-scatter
+        # unit's being gathered meanwhile (prefetch), and a unit's whole gradients before their reduce-scatter. Not
+        # planned under pipeline stages, where torch's schedule keeps a stage's units gathered, with their whole
+        # gradients, across its micro-batches (and the stage's embedding or head with them).
         counts = parameter_counts(cfg)
         plan["unit_buffers"] = 3 * (counts["block_split"] // layout.tp + counts["block_whole"]) * FLOAT
     plan["total"] = sum(plan.values())

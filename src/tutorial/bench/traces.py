@@ -48,7 +48,9 @@ def breakdown(prof) -> dict:
     steps = [e for e in on_cpu if e.name.startswith("ProfilerStep")]
     # the device's own work: kernels and copies, not the profiler's device-side copies of record_function ranges
     kernels = [e for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation]
-    if any(e.name.startswith(COLLECTIVE_KERNELS) for e in kernels):  # (XPU's collectives have other names: CPU)
+    cpu_collectives = any(e.name.startswith(COLLECTIVE_OPS) for e in on_cpu)
+    # a GPU's kernels, unless its collectives show on the CPU only (an XPU's are not NCCL's kernels): the CPU's ops
+    if kernels and (any(e.name.startswith(COLLECTIVE_KERNELS) for e in kernels) or not cpu_collectives):
         comm = _union((e.time_range.start, e.time_range.end) for e in kernels if e.name.startswith(COLLECTIVE_KERNELS))
         ops = _union((e.time_range.start, e.time_range.end) for e in kernels
                      if not e.name.startswith(COLLECTIVE_KERNELS))

@@ -404,7 +404,9 @@ def tracked_fsdp(cfg: GPTConfig, dp: int, rank: int, micro_batch: int = 1) -> di
     process on torch's fake process group and fake tensors (shapes, no memory), under torch's FSDPMemTracker: the
     bytes at the step's peak by its kinds: the rank's weights (its shards), the gathered buffers (whole weights in
     use and prefetched, whole gradients before their reduce-scatter; the root's gathered weights apart), the
-    activations, and the tracker's total."""
+    activations, and the tracker's total. One step: AdamW makes its state at the step's end, after the peak."""
+    if dist.is_initialized():
+        raise RuntimeError("tracked_fsdp makes a fake process group of its own: destroy this process's group first")
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
@@ -429,7 +431,7 @@ def tracked_fsdp(cfg: GPTConfig, dp: int, rank: int, micro_batch: int = 1) -> di
                 loss_fn(model(X), X).backward()
                 optimizer.step()
             at_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-            peak = {str(kind).split(".")[-1]: n for kind, n in at_peak.items()}  # _FSDPRefType.ACT -> ACT
+            peak = {getattr(kind, "name", kind): n for kind, n in at_peak.items()}  # ACT, SHARDED_PARAM, Total
     finally:
         dist.destroy_process_group()
     counts = parameter_counts(cfg)
