@@ -251,57 +251,52 @@ def test_a_cpu_trace_without_kernels_is_read_by_its_c10d_calls():
     assert lesson.late_starts(trace)[1]["behind_ms"] == pytest.approx(30.0)
 
 
-def test_a_gpu_profile_is_broken_down_by_its_kernels():
+class _Profile:
+    """What breakdown reads of a torch.profiler.profile: its events (torch's own FunctionEvent objects)."""
+
+    def __init__(self, events):
+        self._events = events
+
+    def events(self):
+        return self._events
+
+
+def _event(name, start, end, device=None, annotation=False):
+    """A profiler event: an op or kernel from start to end (microseconds) on the CPU or `device`; annotation: the
+    profiler's device-side copy of a record_function range."""
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
+    e = FunctionEvent(id=0, name=name, thread=1, start_us=start, end_us=end, device_type=device or DeviceType.CPU)
+    e.is_user_annotation = annotation
+    return e
 
-    def event(name, start, end, device=DeviceType.CPU):
-        return FunctionEvent(id=0, name=name, thread=1, start_us=start, end_us=end, device_type=device)
 
-    class Profile:  # what breakdown reads of torch.profiler.profile: its events
-        def __init__(self, events):
-            self._events = events
+def test_a_gpu_profile_is_broken_down_by_its_kernels():
+    from torch.autograd import DeviceType
 
-        def events(self):
-            return self._events
+    def annotation(name, start, end):
+        return _event(name, start, end, DeviceType.CUDA, annotation=True)
 
-    def annotation(name, start, end):  # the profiler's device-side copy of a record_function range
-        e = event(name, start, end, DeviceType.CUDA)
-        e.is_user_annotation = True
-        return e
-
-    step = [event("ProfilerStep#1", 0, 50_000), event("aten::mm", 100, 200), event("c10d::allreduce_", 300, 340)]
-    kernels = [event("ampere_sgemm_128x64_nn", 1_000, 11_000, DeviceType.CUDA),
-               event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 5_000, 35_000, DeviceType.CUDA),
+    step = [_event("ProfilerStep#1", 0, 50_000), _event("aten::mm", 100, 200), _event("c10d::allreduce_", 300, 340)]
+    kernels = [_event("ampere_sgemm_128x64_nn", 1_000, 11_000, DeviceType.CUDA),
+               _event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 5_000, 35_000, DeviceType.CUDA),
                annotation("ProfilerStep#1", 500, 50_500), annotation("nccl:all_reduce", 4_000, 36_000)]
-    gpu = lesson.breakdown(Profile(step + kernels))
+    gpu = lesson.breakdown(_Profile(step + kernels))
     assert gpu["step"] == pytest.approx(50.0)  # one step, on the device's clock
     assert gpu["communication"] == pytest.approx(30.0) and gpu["compute"] == pytest.approx(4.0)
     assert gpu["overlap"] == pytest.approx(6.0 / 30.0) and gpu["idle"] == pytest.approx(50.0 - 34.0)
     # a device whose collectives are not NCCL's kernels (Intel's): read from the CPU's ops, not as no communication
-    xpu = [event("ProfilerStep#1", 0, 50_000), event("c10d::allreduce_", 300, 30_300),
-           event("gemm_kernel", 1_000, 11_000, DeviceType.XPU)]
-    assert lesson.breakdown(Profile(xpu))["communication"] == pytest.approx(30.0)
+    xpu = [_event("ProfilerStep#1", 0, 50_000), _event("c10d::allreduce_", 300, 30_300),
+           _event("gemm_kernel", 1_000, 11_000, DeviceType.XPU)]
+    assert lesson.breakdown(_Profile(xpu))["communication"] == pytest.approx(30.0)
 
 
 def test_the_rule_before_names_the_wrong_rank_on_a_gpu():
     """The control: f7f8195's rule (the rank that communicates least, by the CPU's ops) on two GPU ranks whose CPU
     side of each all-reduce is a launch: the late rank's launch (80 us) is no shorter than the waiting rank's (40 us),
     so it names the rank that waits; the late start names the right one."""
-    from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import FunctionEvent
-
-    class Profile:
-        def __init__(self, events):
-            self._events = events
-
-        def events(self):
-            return self._events
-
     def cpu_side(launch_us):  # a step's CPU events: the step and the all-reduce's launch
-        return Profile([FunctionEvent(id=0, name="ProfilerStep#1", thread=1, start_us=0, end_us=50_000),
-                        FunctionEvent(id=1, name="c10d::allreduce_", thread=1, start_us=300, end_us=300 + launch_us,
-                                      device_type=DeviceType.CPU)])
+        return _Profile([_event("ProfilerStep#1", 0, 50_000), _event("c10d::allreduce_", 300, 300 + launch_us)])
 
     old_rule = [lesson.breakdown(cpu_side(launch))["communication"] for launch in (40, 80)]  # rank 0 waits, 1 late
     assert min((0, 1), key=old_rule.__getitem__) == 0  # f7f8195's slowest_rank: the wrong rank
