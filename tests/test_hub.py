@@ -617,9 +617,9 @@ KILLED_NOTICED_S = 3 * (IDLE_S // 6) + 10  # the hub polls every IDLE_S // 6 s (
 def a_killed_lab_is_noticed_and_started_again(pages: dict, hub, tokens: dict, where: dict) -> None:
     """Slurm ends the second attendee's job (scancel as root, as an operator or a preemption does): within
     KILLED_NOTICED_S the hub has no lab of theirs running, the job is gone, and no process or port of the lab is left
-    on the node; their page (the lab's URL opened again) says the server is not running and offers to launch it; they
-    launch it and a new lab (a new Slurm job) reaches JupyterLab. tests/test_hub_controls.py runs this on a spawner
-    whose poll never reports the job gone: this then fails."""
+    on the node; their page (the lab's URL opened again) says the server is not running and how its job ended, and
+    offers to launch it; they launch it and a new lab (a new Slurm job) reaches JupyterLab. tests/test_hub_controls.py
+    runs this on a spawner whose poll never reports the job gone: this then fails."""
     name = ATTENDEES[1]
     page, job, port = pages[name], where[name]["job"], where[name]["port"]
     uid = pwd.getpwnam(name).pw_uid
@@ -638,6 +638,7 @@ def a_killed_lab_is_noticed_and_started_again(pages: dict, hub, tokens: dict, wh
     print(f"{name}'s page after the job was killed: {seen} {' '.join(text.split())[:200]!r}")
     assert seen == (424, f"/hub/user/{name}/lab"), seen
     assert "Server not running" in text and "is not running" in text, text[:500]
+    assert f"Slurm job {job} ended: CANCELLED on {COMPUTE}." in text, text[:500]  # templates/not_running.html
     launch = page.locator("#start")
     assert launch.inner_text().split() == ["Launch", "Server"], launch.inner_text()
     launch.click()

@@ -13,6 +13,13 @@ guards, must fail at that check. Each runs a whole hub (about 2-3 minutes on 2 c
   (cancels its job), and the restart check fails.
 - poll-never-gone: a spawner whose poll asks squeue and always says the job runs: the hub never notices the job Slurm killed, and the
   killed-job check fails.
+
+And of `make hub-rehearsal` (tools/hub/load.py), on two attendees and two nodes of one GPU (about 2-3 minutes each):
+- requeued-lab: the lab's batch script without --no-requeue (Slurm's default, JobRequeue=1): when node2 is lost, its
+  lab's job goes back to the queue, the hub reads it as alive, and the node-loss check fails naming the pending job.
+- lab-cannot-start: the course's venv where the compute nodes cannot see it: every lab's job fails at once, each
+  attendee's spawn page says so with the job log's last lines (not after start_timeout), the rehearsal counts every
+  lab lost, and nothing is left.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import os
 
 import pytest
 import test_hub
-from hub import rehearsal
+from hub import load, rehearsal
 
 CONTROLS = {
     "open-labs": ('c.JupyterHub.load_roles = [*c.JupyterHub.load_roles, {"name": "user", "scopes": '
@@ -56,3 +63,41 @@ def test_the_hub_test_fails_on_a_broken_hub(control, tmp_path):
     with pytest.raises(AssertionError, match=failure) as failed:
         test_hub.workshop(tmp_path, config=config)
     print(f"{control}: the hub test failed as it must: {str(failed.value)[:600]}")
+
+
+def requeued(record: dict) -> None:
+    lost = record["node_lost"]
+    assert lost["failed"].startswith("the hub did not notice within"), lost
+    assert "PENDING" in lost["failed"], lost  # the requeued job, which the hub reads as a lab still there
+    assert record["labs_lost"] == 1 == len(lost["labs"]), record
+
+
+def cannot_start(record: dict) -> None:
+    assert record["labs_lost"] == record["attendees"] == 2, record
+    for lab in record["labs"]:
+        assert lab["seconds"] is None and "/nonexistent/venv/bin/batchspawner-singleuser" in lab["failed"] \
+            and "Its log, ~/.workbook-lab-" in lab["failed"], lab
+        assert lab["messages"][-1][0] < 120, lab  # said at once, not after start_timeout (600 s)
+    assert record["node_lost"] == {"skipped": "not every lab started"}, record["node_lost"]
+
+
+REHEARSAL_CONTROLS = {
+    "requeued-lab": ("c.SlurmJobSpawner.batch_script = c.SlurmJobSpawner.batch_script.replace("
+                     "'#SBATCH --no-requeue\\n', '')  # Slurm's default: requeued when the node fails", requeued),
+    "lab-cannot-start": ('c.SlurmJobSpawner.batchspawner_singleuser_cmd = "/nonexistent/venv/bin/'
+                         'batchspawner-singleuser"  # a venv the compute nodes cannot see', cannot_start),
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("control", REHEARSAL_CONTROLS)
+def test_the_rehearsal_fails_on_a_broken_hub(control, tmp_path):
+    change, check = REHEARSAL_CONTROLS[control]
+    config = tmp_path / "jupyterhub_config.py"
+    config.write_text(f"c = get_config()  # noqa: F821\nload_subconfig({str(rehearsal.CONFIG)!r})  # noqa: F821\n"
+                      f"{change}\n")
+    (tmp_path / "rehearsal").mkdir()
+    record = load.rehearse(2, 2, 1, 1, tmp_path / "rehearsal", config=config)
+    print(load.report(record))
+    check(record)
+    assert not any(record["left"].values()), record["left"]  # a broken hub too leaves nothing behind

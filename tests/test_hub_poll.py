@@ -79,3 +79,48 @@ def test_a_lab_outlives_squeue_failing_for_a_while(spawner):
     assert spawner.job_status == "RUNNING None node2"
     spawner.query_job_status = types.MethodType(SlurmSpawner.query_job_status, spawner)  # the control
     assert asyncio.run(polls())[1] == (1, "")  # batchspawner: ended, job id gone
+
+
+@pytest.mark.parametrize("squeue, said", [
+    ("echo 'NODE_FAIL NodeDown node3'", "Slurm job 7 ended: NODE_FAIL on node3"),
+    ("echo 'TIMEOUT TimeLimit node2'", "Slurm job 7 ended: TIMEOUT on node2"),
+    ("true", "Slurm job 7 has left the queue"),
+    ("echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1", "Slurm job 7 has left the queue"),
+    ("echo 'RUNNING None node2'", ""),
+    (f"echo '{BUSY}' >&2; exit 1", ""),
+], ids=lambda value: value[:30])
+def test_the_page_says_how_the_job_ended_even_after_the_hub_drops_the_spawner(spawner, squeue, said):
+    """How a lab's job ended (templates/not_running.html shows it) is read from squeue's last answer and kept in the
+    spawner's state: JupyterHub drops a stopped lab's spawner and makes the page's from the database."""
+    spawner.batch_query_cmd = squeue
+    asyncio.run(spawner.poll())
+    assert spawner.ended == said
+    again = type(spawner)(user=spawner.user, hub=spawner.hub, config=spawner.config)
+    again.load_state(spawner.get_state())
+    assert again.ended == said
+
+
+def test_a_job_that_ends_before_jupyterlab_answers_fails_the_start_at_once(spawner, tmp_path, monkeypatch):
+    """The job starts (squeue: RUNNING), then ends before the lab reports its port (JupyterLab failed in it): the
+    course's start fails at the next poll, saying how the job ended and what its log ends with. Control:
+    batchspawner 1.3.0's start, on the same answers, is still waiting for the port seconds later (it would wait
+    until start_timeout)."""
+    polls = tmp_path / "polls"
+    spawner.batch_submit_cmd = "cat > /dev/null; echo 7"
+    spawner.batch_query_cmd = (f"n=$(cat {polls} 2>/dev/null || echo 0); echo $((n + 1)) > {polls}; "
+                               f"if [ $n = 0 ]; then echo 'RUNNING None node2'; else echo 'FAILED NonZeroExitCode node2'; fi")
+    spawner.startup_poll_interval = 0.1
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".workbook-lab-7.log").write_text("workbook-lab: job 7 on node2\n/x/bin/batchspawner-singleuser: "
+                                              "No such file or directory\n")
+    monkeypatch.setitem(spawner.job_log.__func__.__globals__, "pwd",
+                        types.SimpleNamespace(getpwnam=lambda name: types.SimpleNamespace(pw_dir=str(home))))
+    with pytest.raises(RuntimeError) as failed:
+        asyncio.run(asyncio.wait_for(spawner.start(), 10))
+    assert str(failed.value) == ("Slurm job 7 ended: FAILED on node2 before JupyterLab answered. Its log, "
+                                 "~/.workbook-lab-7.log, ends: workbook-lab: job 7 on node2 | "
+                                 "/x/bin/batchspawner-singleuser: No such file or directory")
+    polls.unlink()
+    with pytest.raises(asyncio.TimeoutError):  # the control: batchspawner's start waits on
+        asyncio.run(asyncio.wait_for(SlurmSpawner.start(spawner), 3))

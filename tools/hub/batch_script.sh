@@ -7,6 +7,10 @@
 #SBATCH --export={{keepvars}}
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
+# A lab is not restartable: Slurm's default (JobRequeue=1) puts a batch job whose node fails back in the queue,
+# where the hub's poll reads it as alive and keeps sending the attendee to a lab that is gone. Not requeued, the
+# job ends as NODE_FAIL, the hub notices, and the attendee's page offers a new lab.
+#SBATCH --no-requeue
 {% if partition %}#SBATCH --partition={{partition}}
 {% endif %}{% if account %}#SBATCH --account={{account}}
 {% endif %}{% if reservation %}#SBATCH --reservation={{reservation}}

@@ -13,12 +13,14 @@ What the day needs, and where it is:
 - a squeue that fails for a while (a busy or restarting slurmctld) does not end a lab
   (SlurmJobSpawner.query_job_status);
 - the hub restarted while labs run finds them again (cleanup_servers=False below), and a lab whose job Slurm ended
-  (scancel, wall time) is noticed within poll_interval: the attendee's page offers to start it again;
+  (scancel, wall time, its node lost: the batch script's --no-requeue) is noticed within poll_interval: the
+  attendee's page says how the job ended (templates/not_running.html) and offers to start it again;
 - no attendee reaches another's lab (JupyterHub's default roles: a user may access their own server only; no role
   here grants access:servers to users), and the hub's database and cookie secret are readable by root only.
 """
 import asyncio
 import os
+import pwd
 import socket
 import sys
 import tomllib
@@ -54,6 +56,51 @@ class SlurmJobSpawner(SlurmSpawner):
     req_venv = Unicode(str(venv))
     req_data_dir = Unicode(course["data_dir"] or str(checkout / "data"))
     req_workbook = Unicode(course["workbook"])
+    ended = ""      # how the lab's last job ended, as squeue last said: templates/not_running.html shows it
+    submitted = ""  # the last job's id, kept after batchspawner clears job_id: its log's name
+
+    # `ended` is kept in the hub's database with the job id: JupyterHub drops a stopped lab's spawner and makes a new
+    # one (from this state) for the "Server not running" page, and a restarted hub reads it back.
+    def get_state(self):
+        return dict(super().get_state(), **({"ended": self.ended} if self.ended else {}))
+
+    def load_state(self, state):
+        super().load_state(state)
+        self.ended = state.get("ended", "")
+
+    async def submit_batch_script(self):
+        self.submitted = await super().submit_batch_script()
+        return self.submitted
+
+    async def start(self):
+        """batchspawner's start, watched. batchspawner 1.3.0 stops asking Slurm once the job runs and then waits for
+        the lab's port until start_timeout, even when JupyterLab failed in the job and the job has ended; here a
+        running job is asked every startup_poll_interval, and a job gone fails the start at once. A failed start's
+        message (the page shows it) ends with the job log's last lines."""
+        self.ended = self.submitted = ""
+        starting = asyncio.ensure_future(super().start())
+        try:
+            while True:
+                done, _ = await asyncio.wait([starting], timeout=self.startup_poll_interval)
+                if done:
+                    return starting.result()
+                if self.job_id and self.state_isrunning() and await self.query_job_status() == JobStatus.NOTFOUND:
+                    raise RuntimeError(f"{self.ended or f'Slurm job {self.job_id} ended'} before JupyterLab answered.")
+        except Exception as exc:
+            raise RuntimeError(f"{exc}{self.job_log()}") from exc
+        finally:
+            starting.cancel()  # a no-op once it is done; JupyterHub's start_timeout cancels this coroutine
+
+    def job_log(self) -> str:
+        """The last lines of the last job's log (batch_script.sh's --output), for a failed start's message."""
+        if not self.submitted:
+            return ""
+        log = Path(pwd.getpwnam(self.user.name).pw_dir) / f".workbook-lab-{self.submitted}.log"
+        try:
+            lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return ""
+        return f" Its log, ~/{log.name}, ends: {' | '.join(lines[-3:])}" if lines else ""
 
     async def query_job_status(self):
         """batchspawner's query, except for a squeue that fails. batchspawner 1.3.0 takes squeue's error message as
@@ -71,7 +118,7 @@ class SlurmJobSpawner(SlurmSpawner):
             answer = await self.run_command(cmd)
         except Exception as exc:  # run_command raises RuntimeError(stderr) when squeue exits non-zero
             if "Invalid job id specified" in str(exc):
-                self.job_status = ""
+                self.job_status, self.ended = "", f"Slurm job {self.job_id} has left the queue"
                 return JobStatus.NOTFOUND
             self.log.warning("Slurm job %s of %s: squeue failed (%s); its state is unknown, the lab is kept",
                              self.job_id, self.user.name, str(exc).strip()[-300:] or type(exc).__name__)
@@ -81,7 +128,11 @@ class SlurmJobSpawner(SlurmSpawner):
             return JobStatus.RUNNING
         if self.state_ispending():
             return JobStatus.PENDING
-        return JobStatus.NOTFOUND  # no line (the job left the queue) or a state past running: COMPLETED, FAILED...
+        # no line (the job left the queue) or a state past running: COMPLETED, CANCELLED, TIMEOUT, NODE_FAIL...
+        words = answer.split()
+        self.ended = (f"Slurm job {self.job_id} ended: {words[0]}" + (f" on {words[2]}" if len(words) == 3 else "")
+                      if words else f"Slurm job {self.job_id} has left the queue")
+        return JobStatus.NOTFOUND
 
     async def progress(self):
         while True:
@@ -106,6 +157,7 @@ c.JupyterHub.db_url = f"sqlite:///{state_dir / 'jupyterhub.sqlite'}"
 c.JupyterHub.cookie_secret_file = str(state_dir / "jupyterhub_cookie_secret")
 c.ConfigurableHTTPProxy.command = [str(HERE / "node_modules" / ".bin" / "configurable-http-proxy")]
 c.ConfigurableHTTPProxy.pid_file = str(state_dir / "proxy.pid")
+c.JupyterHub.template_paths = [str(HERE / "templates")]  # the "Server not running" page says how the job ended
 c.JupyterHub.last_activity_interval = report_every
 c.JupyterHub.shutdown_on_logout = True  # File > Log Out ends the attendee's job too
 # A hub restarted during the day (an upgrade, a changed setting, a crash) finds its labs again: stopping the hub leaves
@@ -126,7 +178,9 @@ c.Authenticator.admin_users = set(hub["admin_users"])
 c.JupyterHub.spawner_class = SlurmJobSpawner
 c.SlurmJobSpawner.exec_prefix = slurm["submit_as"]
 c.SlurmJobSpawner.batch_script = (HERE / "batch_script.sh").read_text()
-c.SlurmJobSpawner.batch_query_cmd = "squeue -h -j {job_id} -o '%T %r %B'"
+# --states=all: a job that ended (NODE_FAIL, TIMEOUT, CANCELLED) is listed too, as long as Slurm keeps it (MinJobAge,
+# 300 s by default), so the page can say how the lab ended; without it squeue prints nothing for such a job.
+c.SlurmJobSpawner.batch_query_cmd = "squeue -h -j {job_id} --states=all -o '%T %r %B'"
 c.SlurmJobSpawner.startup_poll_interval = 2.0  # squeue per waiting attendee: every 2 s, not batchspawner's 0.5 s
 c.SlurmJobSpawner.req_srun = ""  # the lab is the batch step itself; its engines are its children
 c.SlurmJobSpawner.req_partition = slurm["partition"]
@@ -140,7 +194,9 @@ c.SlurmJobSpawner.req_memory = slurm["memory"]
 c.SlurmJobSpawner.req_options = " ".join(slurm["extra"])
 c.SlurmJobSpawner.start_timeout = int(hub["start_timeout"])
 c.SlurmJobSpawner.http_timeout = 120  # from the job's start to JupyterLab answering (imports on a shared file system)
-c.Spawner.poll_interval = report_every  # notices a job that ended (scancel, wall time) this soon
+# A job that ended (scancel, wall time, a node lost) is noticed this soon: JupyterHub's default, 30 s, or sooner with
+# a short idle time; one squeue per lab per poll.
+c.Spawner.poll_interval = min(30, report_every)
 c.Spawner.cmd = [str(venv / "bin" / "jupyterhub-singleuser")]
 c.SlurmJobSpawner.batchspawner_singleuser_cmd = str(venv / "bin" / "batchspawner-singleuser")
 c.Spawner.notebook_dir = f"~/{course['workbook']}"

@@ -228,6 +228,27 @@ def _hosts_text(node: str, all_nodes: list[str], self_on_loopback: bool = False)
     return "\n".join(lines) + "\n"
 
 
+def power_off(node: str) -> list[int]:
+    """The node lost, as a power cut loses it: its cable pulled (the switch's end of its veth pair down: nothing it
+    sent arrives, nothing sent to it is answered) and every process inside it killed at once (SIGKILL: no process
+    gets to say goodbye). Its files stay, as a node's local disk does. Returns the pids killed."""
+    import signal
+    _known(node)
+    do("ip", "-n", SWITCH, "link", "set", f"v{node}", "down")
+    pids = netns_pids(node)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def power_on(node: str) -> None:
+    """The node back after power_off (rebooted): its cable in again. Nothing runs on it: vcluster.slurm.start_node
+    starts its slurmd, as a node's boot does."""
+    _known(node)
+    do("ip", "-n", SWITCH, "link", "set", f"v{node}", "up")
+
+
 # ------------------------------------------------------------------------------------------------ up, down
 def up(n: int, quiet: bool = False) -> list[str]:
     """Create node1..nodeN (replacing nodes that are up). The nodes only: vcluster.cluster.up also starts Slurm, and

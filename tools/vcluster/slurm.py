@@ -92,7 +92,7 @@ def slurm_conf(all_nodes: list[str], cpus: int, gpus: int = 0) -> str:
         "SlurmdTimeout=30",
         "MessageTimeout=20",
         "KillWait=5",
-        "MinJobAge=30",
+        "MinJobAge=300",  # Slurm's default: an ended job's state (NODE_FAIL, TIMEOUT...) stays in squeue 5 min
         "InactiveLimit=0",
         *(["GresTypes=gpu"] if gpus else []),
         # More cores than this machine has (a workshop's node, rehearsed here): slurmd would drain the node for it
@@ -180,6 +180,21 @@ def up(quiet: bool = False, timeout: float = 60.0, gpus: int = 0, cpus: int | No
         raise
     if not quiet:
         print(f"slurm: slurmctld on {head}, slurmd on {', '.join(all_nodes)}, partition debug")
+
+
+def node_state(node: str) -> str:
+    """Slurm's state of one node as sinfo prints it ("idle", "mixed", "down*": * is not responding), from the login
+    node; "" when slurmctld did not answer."""
+    out = run(nodes()[0], ["sinfo", "-h", "-n", node, "-N", "-o", "%T"], check=False, timeout=15).stdout.split()
+    return out[0] if out else ""
+
+
+def start_node(node: str, timeout: float = 60.0) -> None:
+    """slurmd on `node` (again, after vcluster.nodes.power_on); returns when Slurm has the node back (ReturnToService=2:
+    a node that was down is used again once its slurmd registers)."""
+    run(node, ["slurmd", "-N", node])
+    _wait(lambda: node_state(node).rstrip("*~#") in ("idle", "mixed", "allocated"), timeout,
+          f"Slurm did not take {node} back", _slurm_dir() / node / "slurmd.log")
 
 
 def _wait(ready, timeout: float, what: str, log: Path) -> None:
