@@ -21,6 +21,7 @@ What the day needs, and where it is:
 import asyncio
 import os
 import pwd
+import shlex
 import socket
 import sys
 import tomllib
@@ -87,19 +88,24 @@ class SlurmJobSpawner(SlurmSpawner):
                 if self.job_id and self.state_isrunning() and await self.query_job_status() == JobStatus.NOTFOUND:
                     raise RuntimeError(f"{self.ended or f'Slurm job {self.job_id} ended'} before JupyterLab answered.")
         except Exception as exc:
-            raise RuntimeError(f"{exc}{self.job_log()}") from exc
+            raise RuntimeError(f"{exc}{await self.job_log()}") from exc
         finally:
             starting.cancel()  # a no-op once it is done; JupyterHub's start_timeout cancels this coroutine
 
-    def job_log(self) -> str:
-        """The last lines of the last job's log (batch_script.sh's --output), for a failed start's message."""
+    async def job_log(self) -> str:
+        """The last lines of the last job's log (batch_script.sh's --output), for a failed start's message, read
+        as the attendee (exec_prefix), never as the hub: the file is theirs, and as root a link in its place would
+        show the hub's secrets on their page; its last 4 kB within 5 s, so a pipe or an endless file cannot stall
+        the hub."""
         if not self.submitted:
             return ""
-        log = Path(pwd.getpwnam(self.user.name).pw_dir) / f".workbook-lab-{self.submitted}.log"
         try:
-            lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        except OSError:
+            log = Path(pwd.getpwnam(self.user.name).pw_dir) / f".workbook-lab-{self.submitted}.log"
+            prefix = format_template(self.exec_prefix, **self.get_req_subvars())
+            text = await self.run_command(f"{prefix} timeout 5 tail -c 4096 -- {shlex.quote(str(log))}")
+        except Exception:  # noqa: BLE001 - no log (or no account): the message goes without it
             return ""
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
         return f" Its log, ~/{log.name}, ends: {' | '.join(lines[-3:])}" if lines else ""
 
     async def query_job_status(self):

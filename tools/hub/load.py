@@ -200,9 +200,13 @@ def lose_node(room: list[Attendee], node: str, start_timeout: float) -> dict:
     if not victims:
         record["failed"] = f"no lab ran on {node} to lose"
         return record
+    # From here on a failure returns at once and leaves the node down: the rehearsal ends with it, and removing the
+    # cluster removes the node.
     cut = time.monotonic()
     record["processes_killed"] = len(nodes.power_off(node))
-    wait_until(lambda: slurm.node_state(node).startswith("down"), NOTICE_S)
+    if not wait_until(lambda: slurm.node_state(node).startswith("down"), NOTICE_S):
+        record["failed"] = f"Slurm did not mark {node} down within {NOTICE_S} s of the power cut"
+        return record
     record["slurm_down_s"] = round(time.monotonic() - cut, 1)
     noticed: dict[str, float] = {}
 

@@ -235,11 +235,16 @@ def power_off(node: str) -> list[int]:
     import signal
     _known(node)
     do("ip", "-n", SWITCH, "link", "set", f"v{node}", "down")
-    pids = netns_pids(node)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return pids
+    killed: list[int] = []
+    for _ in range(10):  # until none is left: a process may fork between the listing and the kill
+        pids = [pid for pid in netns_pids(node) if pid not in killed]
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed += pids
+    return killed
 
 
 def power_on(node: str) -> None:
