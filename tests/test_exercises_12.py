@@ -4,6 +4,7 @@ measurement only when it counts the optimizer state; the merged trace is JSON th
 reads. The skeletons are the lesson module's SKELETONS, which the notebook's exercise cells hold."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -61,12 +62,21 @@ def test_the_planner_answers_the_budget_question_as_a_run_measures_it():
 
 
 def test_the_measured_memory_matches_the_plan_and_a_plan_without_optimizer_state_does_not(cluster):
-    cluster.run(on_every_rank, lesson.memory_runs, ("ddp", "ddp+bucket-view", "fsdp2", "pp"))
+    cluster.run(on_every_rank, lesson.memory_runs, ("ddp", "ddp+bucket-view", "fsdp2", "tp+sp", "pp"))
     runs = [value for _, value in cluster.results]
     assert all(status == "ok" for status, _ in cluster.results), cluster.results
     table = lesson.memory_table(runs, states=lesson.solution_states_per_rank)
-    assert len(table) == 8 and all(r["within"] for r in table), table
-    assert not any(r["within"] for r in lesson.memory_table(runs, states=lesson.states_per_rank))
+    assert len(table) == 10 and all(r["within"] for r in table), [r for r in table if not r["within"]]
+    # sequence parallel as torch does it: what autograd saved (deterministic, where gloo's buffers make the
+    # allocator's count vary by 131 kB tensors) is the planner's to the byte; the control: planned as plain TP (every
+    # norm's input whole), or as Megatron's sequence parallel (every value / tp), it is not
+    cfg, sp = lesson.GPTConfig(), lesson.Layout(tp=2, sequence_parallel=True)
+    for m in (m for per_rank in runs for m in per_rank if m["strategy"] == "tp+sp"):
+        planned = lesson.plan_memory(cfg, sp, m["micro_batch"])["activations"]
+        plain = lesson.plan_memory(cfg, lesson.Layout(tp=2), m["micro_batch"])["activations"]
+        megatron = plain - cfg.n_layers * (lesson.korthikanti_bytes(cfg, m["micro_batch"], 2, **FP32_NO_DROPOUT)
+                                           - lesson.korthikanti_bytes(cfg, m["micro_batch"], 2, True, **FP32_NO_DROPOUT))
+        assert m["saved"] == planned and plain > planned > megatron, (m["saved"], planned, plain, megatron)
     # the allocator sees DDP's buckets: a second copy of the gradients, gone with gradient_as_bucket_view=True
     for per_rank in runs:
         gradients = {m["strategy"]: m["gradients"] for m in per_rank}
@@ -76,6 +86,9 @@ def test_the_measured_memory_matches_the_plan_and_a_plan_without_optimizer_state
     counted = [[dict(m, gradients=m["parameters"]) for m in per_rank] for per_rank in runs]
     rows = lesson.memory_table(counted, states=lesson.solution_states_per_rank)
     assert [r["within"] for r in rows if r["strategy"] == "ddp"] == [False, False]
+
+
+FP32_NO_DROPOUT = dict(value_bytes=4, dropout=False, attention_scores=False)  # what core.gpt keeps
 
 
 # Exercise 2: collectives, predicted then counted
@@ -179,6 +192,26 @@ def test_exercise_4_accepts_a_layout_without_pipeline_stages():
     other = defined("def choose_layout():\n    from tutorial.lessons.performance import Layout\n"
                     "    return Layout(dp=16, tp=4, pp=1, zero=3)\n")
     assert lesson.check_layout(other).startswith("correct: 16 x 4 x 1 (zero=3) fits")
+    assert lesson.check_layout(lambda: lesson.Layout(dp=4, tp=4, pp=4)).startswith("correct: 4 x 4 x 4 (zero=0) fits")
+    # tp=2 does not cut micro-batches of 8 sequences enough, with sequence parallel's cut of the norms neither
+    assert lesson.check_layout(lambda: lesson.Layout(dp=16, tp=2, pp=2, zero=3)).startswith(
+        "wrong: the planner needs 103 GB per rank (stage 0, 2 micro-batches in flight)")
+    assert lesson.check_layout(lambda: lesson.Layout(dp=16, tp=2, pp=2, zero=3, sequence_parallel=True)).startswith(
+        "wrong: the planner needs 94 GB per rank")
+
+
+def test_exercise_4_refuses_the_plausible_answers_that_ignore_the_activations():
+    """Micro-batches of 8 sequences of 2048 tokens make the activations the budget: ZeRO-3 alone shards the states
+    but not the activations; eight pipeline stages hold four layers each, but 1F1B's first stage holds eight
+    micro-batches in flight, as much as the whole model's; checkpointing would fit but the job has no time for it."""
+    verdict = lesson.check_layout(lambda: lesson.Layout(dp=8, tp=1, pp=8, zero=3))
+    assert verdict == "wrong: the planner needs 150 GB per rank (stage 0, 8 micro-batches in flight), the GPU has 80 GB"
+    assert lesson.check_layout(lambda: lesson.Layout(dp=64, zero=3)).startswith("wrong: the planner needs 147 GB")
+    verdict = lesson.check_layout(lambda: lesson.Layout(dp=64, zero=3, checkpointing=True))
+    assert verdict.startswith("wrong: checkpointing=True recomputes every block's forward"), verdict
+    # every reason at once: checkpointing's and the layout's own
+    verdict = lesson.check_layout(lambda: lesson.Layout(dp=8, tp=8, checkpointing=True))
+    assert "checkpointing=True" in verdict and "tp=8 spans nodes of 4 GPUs" in verdict, verdict
 
 
 def test_the_dry_run_lays_out_what_the_planner_plans():
@@ -329,3 +362,57 @@ def test_mixed_precision_states_are_zeros_own_figures():
     assert [round(gb, 1) for gb in per_gpu] == [120.0, 31.4, 16.6, 1.9]
     fp32 = [sum(lesson.zero_states(n, zero, dp).values()) / 1e9 for zero in (0, 1, 2, 3)]
     assert fp32[0] == per_gpu[0] and [round(gb, 1) for gb in fp32[1:]] != [31.4, 16.6, 1.9]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("micro_batch", [1, 3])
+def test_the_tensor_count_is_korthikantis_closed_form_for_what_the_gpt_keeps(tp, micro_batch):
+    """Korthikanti et al. 2022, Table 2, as printed: per layer s b h (34 + 5 a s / h) without parallelism,
+    s b h (10 + 24 / t + 5 a s / (h t)) under tensor parallel, s b h / t (34 + 5 a s / h) with sequence parallel,
+    s b h (10 + 24 / t) and 34 s b h / t with selective recompute, 2 s b h with full recompute: bench.plan's form (the
+    sixteen values and two masks it names) gives the same bytes. Taking out what core.gpt does not keep (dropout's
+    masks, attention's scores) and counting fp32, it is activation_bytes' block but for the per-row statistics (the
+    norms' mean and 1/std, attention's log-sum-exp), to the byte. Control: with the scores left in, it is not."""
+    cfg = lesson.BIG
+    s, b, h, a, t = cfg.context, micro_batch, cfg.d_model, cfg.n_heads, tp
+    printed = {("none", False): s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+               ("none", True): s * b * h / t * (34 + 5 * a * s / h),
+               ("selective", False): s * b * h * (10 + 24 / t),
+               ("selective", True): 34 * s * b * h / t,
+               ("full", False): 2 * s * b * h}
+    printed[("full", True)] = 2 * s * b * h / t  # not in the table: Megatron keeps each rank's slice of the input
+    for (recompute, sp), expected in printed.items():
+        assert lesson.korthikanti_bytes(cfg, b, t, sp, recompute) == pytest.approx(expected, rel=1e-12), (recompute, sp)
+    layout = lesson.Layout(tp=t)
+    one_block = lesson.block_activations(cfg, layout, b)
+    assert one_block == lesson.activation_bytes(cfg, layout, b) - lesson.activation_bytes(
+        dataclasses.replace(cfg, n_layers=cfg.n_layers - 1), layout, b)
+    statistics = (4 * b * s + b * a * s // t) * lesson.FLOAT
+    ours = lesson.korthikanti_bytes(cfg, b, t, value_bytes=4, dropout=False, attention_scores=False)
+    assert ours == one_block - statistics
+    assert lesson.korthikanti_bytes(cfg, b, t, value_bytes=4, dropout=False) != one_block - statistics
+
+
+@pytest.mark.parametrize("schedule, expected", [("gpipe", [8, 8, 8, 8]), ("1f1b", [4, 3, 2, 1])])
+def test_a_stage_holds_the_micro_batches_its_schedule_keeps_in_flight(schedule, expected):
+    assert [lesson.in_flight(schedule, 8, 4, stage) for stage in range(4)] == expected
+    assert [lesson.in_flight(schedule, 4, 4, stage) for stage in range(4)] == [min(4, e) for e in expected]
+    if schedule == "1f1b":  # torch's Schedule1F1B refuses fewer micro-batches than stages
+        with pytest.raises(ValueError, match="1F1B needs at least as many micro-batches as stages: 2 < 4"):
+            lesson.in_flight(schedule, 2, 4, 0)
+
+
+def test_a_pipeline_stage_holds_what_its_schedule_keeps_in_flight(cluster):
+    """Measured on 2 stages (rank 0 the first): GPipe's first stage keeps all 4, then all 8 micro-batches' forwards
+    for their backward, 1F1B's 2 whatever their number (the stage's own record), as lesson.in_flight says; the
+    allocator's peak grows with GPipe's and stays well below it with 1F1B's. Control: a GPipe in-flight rule of one
+    micro-batch (what the planner assumed before) misses."""
+    cluster.run(on_every_rank, lesson.pipeline_peaks)
+    assert all(status == "ok" for status, _ in cluster.results), cluster.results
+    runs = cluster.results[0][1]
+    assert {k: r["held"] for k, r in runs.items()} == {
+        f"{s} {m}": lesson.in_flight(s, m, 2, 0) for s in ("gpipe", "1f1b") for m in (4, 8)} != {
+        f"{s} {m}": 1 for s in ("gpipe", "1f1b") for m in (4, 8)}
+    one = lesson.activation_bytes(lesson.GPTConfig(), lesson.Layout(pp=2), 4, 0)
+    assert runs["gpipe 8"]["peak"] - runs["gpipe 4"]["peak"] > 2 * one, (runs, one)
+    assert runs["gpipe 8"]["peak"] > 2 * runs["1f1b 8"]["peak"], runs

@@ -14,13 +14,15 @@ class Layout:
     """How a job is cut: dp data-parallel replicas (zero: 0 = DDP, 1/2/3 = ZeRO stage, 3 is FSDP2), tp ranks per
     tensor-parallel group, pp pipeline stages; checkpointing = each block recomputed in backward; buckets = DDP's
     reducer keeps its buckets beside the gradients, a flat copy of them (DDP's default; gradient_as_bucket_view=True
-    makes the gradients views into the buckets instead)."""
+    makes the gradients views into the buckets instead); sequence_parallel = with tp, the norms and the residual
+    stream between the cut layers split along the sequence (train_tp's default)."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
     zero: int = 0
     checkpointing: bool = False
     buckets: bool = False
+    sequence_parallel: bool = False
 
     @property
     def world(self) -> int:

@@ -16,8 +16,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..bench.plan import (FLOAT, activation_bytes, forward_collectives, largest_micro_batch,  # noqa: F401
-                          mixed_states, parameter_counts, plan_memory, refuse, stage_parameters, zero_states)
+from ..bench.plan import (FLOAT, activation_bytes, block_activations, forward_collectives, in_flight,  # noqa: F401
+                          korthikanti_bytes, largest_micro_batch, mixed_states, parameter_counts, plan_memory, refuse,
+                          stage_parameters, zero_states)
 from ..bench.traces import breakdown, late_starts, merge_traces, straggler  # noqa: F401 (12: lesson.*)
 from ..core.corpus import CharCorpus, batches
 from ..core.distributed import collective_device
@@ -28,7 +29,7 @@ from .ranks import first_error, on_every_rank
 # FSDP2 warns that the GPT returns a view (its head's matmul output); the step never writes into it in place.
 warnings.filterwarnings("ignore", r"FSDP2-wrapped module .* returned a view tensor", UserWarning)
 
-STRATEGIES = ("ddp", "ddp+bucket-view", "ddp+checkpointing", "fsdp2", "tp", "pp")
+STRATEGIES = ("ddp", "ddp+bucket-view", "ddp+checkpointing", "fsdp2", "tp", "tp+sp", "pp")
 
 
 # --------------------------------------------------------------------------------------------------- the planner
@@ -95,6 +96,26 @@ def _allocated(fn, device, settle: bool = True, group: bool = True) -> tuple:
     return held, peak, out
 
 
+def _saved(fn, before) -> tuple:
+    """fn() under autograd's saved-tensor hooks: the bytes of the storages autograd saved for backward (a DTensor's
+    local shard's), less those in `before` (tensors allocated before: the parameters, the inputs); and fn's result.
+    What the tensors say, not the allocator: no buffer a collective frees on another thread is ever in it."""
+    from torch.distributed.tensor import DTensor
+
+    def storage(t):
+        return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+    known, saved = {storage(t).data_ptr() for t in before}, {}
+
+    def pack(t):
+        kept = storage(t)
+        if kept.data_ptr() not in known:
+            saved[kept.data_ptr()] = kept.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(saved.values()), out
+
+
 def build_strategy(strategy: str, cfg: GPTConfig, device, rank: int, world: int, wrap: bool = True):
     """The GPT as `strategy` lays it out on this rank of a group of `world` (CPU or this rank's GPU), and the
     Layout the planner reads. wrap=False: the DDP strategies' model before DDP wraps it (wrap_ddp does)."""
@@ -118,10 +139,11 @@ def build_strategy(strategy: str, cfg: GPTConfig, device, rank: int, world: int,
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, Layout(dp=world, zero=3)
-    if strategy == "tp":
+    if strategy in ("tp", "tp+sp"):
         mesh = init_device_mesh(device.type, (world,))
-        parallelize_module(model, mesh, train_tp.tp_plan(model, sequence_parallel=False))
-        return model, Layout(tp=world)
+        sequence_parallel = strategy == "tp+sp"
+        parallelize_module(model, mesh, train_tp.tp_plan(model, sequence_parallel=sequence_parallel))
+        return model, Layout(tp=world, sequence_parallel=sequence_parallel)
     if strategy == "pp":
         return pipeline_stage(model, rank, world), Layout(pp=world)
     if strategy == "single":
@@ -142,8 +164,8 @@ def measure_memory(strategy: str, batch_size: int = 16, steps: int = 3, device=N
     all of it, each pipeline stage its blocks on the whole batch, as GPipe holds every micro-batch's activations
     before the first backward). What this rank holds, measured at the allocator phase by phase: the parameters are
     what building the layout kept; the gradients what DDP's wrap (its buckets) and the first forward and backward
-    kept; the optimizer state what the first step kept; the activations what the last forward kept; the peak, a
-    middle step's (steps >= 3; else None)."""
+    kept; the optimizer state what the first step kept; the activations what the last forward kept (TP's:
+    what autograd saved in it, `saved`, None for the others); the peak, a middle step's (steps >= 3; else None)."""
     if steps < 2:
         raise ValueError(f"steps={steps}: the first step allocates, a later one measures the activations; give 2 or "
                          "more (3 or more for the peak as well)")
@@ -186,7 +208,12 @@ def measure_memory(strategy: str, batch_size: int = 16, steps: int = 3, device=N
             above += _local_bytes([X, y])  # the step's inputs, held before it began
             optimizer.step()
         else:
-            activations, _, out = _allocated(lambda: forward(X, y), device, settle=False)
+            def last_forward():  # TP's also under autograd's saved-tensor hooks (below); no other's: around
+                # checkpointing's own hooks they changed what its forward kept on a simulated GPU (by a fifth)
+                if layout.tp > 1:
+                    return _saved(lambda: forward(X, y), [*model.parameters(), X, y])
+                return None, forward(X, y)
+            activations, _, (saved, out) = _allocated(last_forward, device, settle=False)
             backward(out)
             optimizer.step()
     if layout.tp > 1 or layout.zero == 3:  # TP's and FSDP2's collectives keep buffers of their own past a step, a
@@ -195,11 +222,16 @@ def measure_memory(strategy: str, batch_size: int = 16, steps: int = 3, device=N
         params = list(model.parameters())
         parameters, gradients = _local_bytes(params), _local_bytes(p.grad for p in params)
         states = _local_bytes(t for s in optimizer.state.values() for t in s.values())
+    if layout.tp > 1:  # and TP's forward: gloo frees some of its collectives' buffers on its own threads, where the
+        # profiler does not see the free, so the allocator's count varies by whole tensors (131 kB here) from run to
+        # run; what autograd saved is the same every time
+        activations = saved
     # the step's peak over what it began with: its inputs, parameters, buckets and optimizer state (its gradients
     # were set to None; FSDP2's and TP's states as their tensors say)
     peak = None if above is None else parameters + buckets + states + above
     return dict(strategy=strategy, rank=rank, layout=layout, micro_batch=micro, stage=rank if layout.pp > 1 else 0,
-                parameters=parameters, gradients=gradients, optimizer=states, activations=activations, peak=peak)
+                parameters=parameters, gradients=gradients, optimizer=states, activations=activations, peak=peak,
+                saved=saved)
 
 
 def memory_runs(strategies=STRATEGIES, batch_size: int = 16) -> list:
@@ -224,6 +256,46 @@ def memory_table(runs: list, states=None, tolerance: float = 0.10) -> list:
                          "total/peak kB": f"{plan['total'] / 1e3:.0f}/{m['peak'] / 1e3:.0f}" if m["peak"]
                          else f"{plan['total'] / 1e3:.0f}/-"})
     return rows
+
+
+def pipeline_peaks(micro_batches=(4, 8), micro_batch: int = 4) -> dict:
+    """On every rank of a group, each a pipeline stage of the GPT: one training step under GPipe and one under 1F1B
+    for each number of micro-batches of `micro_batch` sequences, after a step that allocates the gradients. Per
+    "schedule m": `held`, the most micro-batches whose forward this stage kept for their backward at once (the
+    stage's own record, PipelineStage.fwd_cache, read after each forward), and `peak`, the most the allocator held
+    during the step over what it held before (on the CPU it varies by a buffer or two that gloo frees on its own
+    threads)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from ..core.gpt import pipeline_stage
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device, cfg, runs = collective_device(), GPTConfig(), {}
+    for m in micro_batches:
+        X, y = (t.to(device) for t in next(batches(CharCorpus(), m * micro_batch, cfg.context, 1, seed=0)))
+        for name, schedule_class in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+            model = pipeline_stage(GPT(cfg, seed=0), rank, world).to(device)
+            stage = PipelineStage(model, rank, world, device)
+            schedule = schedule_class(stage, n_microbatches=m, loss_fn=loss_fn)
+            held, forward_one_chunk = [0], stage.forward_one_chunk
+
+            def counted(*args, **kwargs):
+                out = forward_one_chunk(*args, **kwargs)
+                held[0] = max(held[0], len(stage.fwd_cache))  # forwards kept until their backward
+                return out
+            stage.forward_one_chunk = counted
+
+            def step():
+                model.zero_grad(set_to_none=True)
+                if rank == 0:
+                    schedule.step(X)
+                elif rank == world - 1:
+                    schedule.step(target=y, losses=[])
+                else:
+                    schedule.step()
+            step()
+            held[0] = 0
+            _, peak, _ = _allocated(step, device, settle=False, group=False)
+            runs[f"{name} {m}"] = dict(held=held[0], peak=peak)
+    return runs
 
 
 def measured_total(batch_size: int) -> int:
@@ -357,13 +429,15 @@ class LayoutError(ValueError):
     """A layout refused before anyone queues it; the message says why."""
 
 
-def dry_run(cfg: GPTConfig, layout: Layout, rank: int, nodes: int, gpus_per_node: int, gpu_bytes: float) -> dict:
+def dry_run(cfg: GPTConfig, layout: Layout, rank: int, nodes: int, gpus_per_node: int, gpu_bytes: float,
+            micro_batch: int = 1, schedule: str = "1f1b") -> dict:
     """Rank `rank` of the layout in this process, with torch's fake process group (every collective returns at
     once, nothing is sent) and the model on the meta device (shapes, no memory): the mesh coordinates, q's global and
     local shape, the parameter bytes the real layout code (pipeline_stage, parallelize_module, fully_shard) leaves
-    this rank against the planner's, and the forward's collectives by section 2's counts. A layout refuse() names a
-    reason for raises LayoutError with every reason."""
-    reasons = refuse(cfg, layout, nodes, gpus_per_node, gpu_bytes)
+    this rank against the planner's, the rank's planned memory (micro-batches of `micro_batch` sequences, as many in
+    flight as `schedule` keeps on its stage) and the forward's collectives by section 2's counts. A layout refuse()
+    names a reason for raises LayoutError with every reason."""
+    reasons = refuse(cfg, layout, nodes, gpus_per_node, gpu_bytes, micro_batch, schedule)
     if reasons:
         raise LayoutError("; ".join(reasons))
     import warnings
@@ -380,7 +454,7 @@ def dry_run(cfg: GPTConfig, layout: Layout, rank: int, nodes: int, gpus_per_node
         stage = mesh["pp"].get_local_rank()
         with torch.device("meta"):
             model = pipeline_stage(GPT(cfg), stage, layout.pp)
-        plan = {name: style for name, style in train_tp.tp_plan(model, sequence_parallel=False).items()
+        plan = {name: style for name, style in train_tp.tp_plan(model, layout.sequence_parallel).items()
                 if getattr(model, name.split(".")[0]) is not None}  # a stage's plan: the modules it kept
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # tp=1: "no need to parallelize" is the point
@@ -393,7 +467,9 @@ def dry_run(cfg: GPTConfig, layout: Layout, rank: int, nodes: int, gpus_per_node
         local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()) * FLOAT
         return dict(rank=rank, stage=stage, coordinates=dict(zip(("pp", "dp", "tp"), mesh.get_coordinate())),
                     q_global=tuple(q.shape), q_local=tuple(q.to_local().shape if hasattr(q, "to_local") else q.shape),
-                    parameter_bytes=local, planned=plan_memory(cfg, layout, 1, stage),
+                    parameter_bytes=local, micro_batches_in_flight=in_flight(schedule, layout.pp, layout.pp, stage),
+                    planned=plan_memory(cfg, layout, micro_batch, stage,
+                                        in_flight=in_flight(schedule, layout.pp, layout.pp, stage)),
                     forward_collectives=forward_collectives(cfg, layout, stage))
     finally:
         dist.destroy_process_group()
@@ -599,7 +675,8 @@ def train(model, dataset, optimizer, steps=3, accumulate=4):
 ''',
     "layout": '''\
 def choose_layout():
-    """16 nodes x 4 GPUs of 80 GB for BIG (32 layers, 32 heads, 4096 wide): dp x tp x pp = 64."""
+    """BIG (32 layers, 32 heads, 4096 wide) on 16 nodes x 4 GPUs of 80 GB: dp x tp x pp = 64; micro-batches of
+    8 sequences of 2048 tokens, 1F1B where there are stages, no activation checkpointing."""
     from tutorial.lessons.performance import Layout
     return Layout(dp=8, tp=8, pp=1, zero=0)
 ''',
@@ -656,23 +733,30 @@ def solution_predicted() -> dict:
             "tp": {"all_reduce": 13, "all_gather": 1}}
 
 
-# Exercise 4: a layout for 64 GPUs
-LAYOUT_JOB = dict(nodes=16, gpus_per_node=4, gpu_bytes=80e9)
+# Exercise 4: a layout for 64 GPUs. The job: 16 nodes of 4 GPUs of 80 GB, micro-batches of 8 sequences of 2048
+# tokens, a 1F1B pipeline schedule where there are stages, and no room in the step time for recomputation.
+LAYOUT_JOB = dict(nodes=16, gpus_per_node=4, gpu_bytes=80e9, micro_batch=8, schedule="1f1b")
 
 
 def check_layout(choose_layout) -> str:
-    """Exercise 4: the learner's Layout for BIG on LAYOUT_JOB: every refusal reason named; an accepted layout is then
-    dry-run as rank 0 with the fake process group, its parameter bytes compared with the planner's."""
+    """Exercise 4: the learner's Layout for BIG on LAYOUT_JOB: every refusal reason named (checkpointing among
+    them: the job's step time has no room for recomputing every block); an accepted layout is then dry-run as rank
+    0 with the fake process group, its parameter bytes compared with the planner's."""
     try:
         layout = choose_layout()
     except Exception as exc:  # noqa: BLE001 - the verdict names it
         return f"wrong: choose_layout() raised {type(exc).__name__}: {exc}"
     if dist.is_initialized():
         return "cannot check here: this process already has a process group (the check makes a fake one)"
+    reasons = ["checkpointing=True recomputes every block's forward in backward, about a third more compute per "
+               "step, which this job's step time does not allow: keep the activations smaller another way"
+               ] if layout.checkpointing else []
     try:
         run = dry_run(BIG, layout, 0, **LAYOUT_JOB)
     except LayoutError as exc:
-        return f"wrong: {exc}"
+        reasons.append(str(exc))
+    if reasons:
+        return f"wrong: {'; '.join(reasons)}"
     planned = run["planned"]["parameters"]
     return (f"correct: {layout.dp} x {layout.tp} x {layout.pp} (zero={layout.zero}) fits: rank 0 holds "
             f"{run['parameter_bytes'] / 1e9:.2f} GB of weights (planned {planned / 1e9:.2f}), "
