@@ -92,7 +92,7 @@ FP32_NO_DROPOUT = dict(value_bytes=4, dropout=False, attention_scores=False)  # 
 
 
 # Exercise 2: collectives, predicted then counted
-COUNTED = {"ddp": {"all_reduce": [1, 433152], "broadcast": [2, 156]},
+COUNTED = {"ddp": {"all_reduce": [4, 433152], "broadcast": [2, 156]},
            "fsdp2": {"all_gather": [5, 833024], "reduce_scatter": [3, 433152]},
            "tp": {"all_gather": [1, 98304], "all_reduce": [13, 1703936]}}
 
@@ -111,7 +111,7 @@ def test_exercise_2_prediction():
 def test_exercise_2_accepts_a_prediction_that_also_counts_ddps_broadcasts():
     """DDP's forward broadcasts its buffers (tiny): a learner who predicts them is not wrong; TP's count as arithmetic."""
     layers = 2
-    other = {"ddp": {"all_reduce": 1, "broadcast": 2},
+    other = {"ddp": {"all_reduce": 4, "broadcast": 2},
              "fsdp2": {"all_gather": layers + 1 + layers, "reduce_scatter": layers + 1},
              "tp": {"all_reduce": 2 * layers + 4 * layers + 1, "all_gather": 1}}
     assert lesson.check_prediction(other, COUNTED).startswith("correct")
@@ -122,7 +122,16 @@ def test_the_counts_are_what_commdebugmode_sees_on_the_engines(cluster):
     status, counted = cluster.results[0]
     assert status == "ok", counted
     assert lesson.check_prediction(lesson.solution_predicted(), counted).startswith("correct"), counted
-    assert counted["ddp"]["all_reduce"][1] == 433152  # the gradients' bytes, in one bucket
+    assert counted["ddp"]["all_reduce"] == [4, 433152]  # the gradients' bytes, in buckets of 0.1 MB
+    # the bucket arithmetic: DDP closes a bucket once it holds at least bucket_cap_mb, in the order the gradients
+    # arrive (after its rebuild: the reverse of the parameters' order here)
+    model = lesson.GPT(lesson.GPTConfig())
+    sizes, buckets, filled = [p.numel() * 4 for p in reversed(list(model.parameters()))], 0, 0
+    for size in sizes:
+        filled += size
+        if filled >= lesson.COUNTED_BUCKET_MB * 2**20:
+            buckets, filled = buckets + 1, 0
+    assert buckets + (filled > 0) == 4
 
 
 # Exercise 3: the bug hunt

@@ -151,11 +151,11 @@ def build_strategy(strategy: str, cfg: GPTConfig, device, rank: int, world: int,
     raise ValueError(f"strategy {strategy!r} is not one of: {', '.join(STRATEGIES)}, single")
 
 
-def wrap_ddp(model, layout: Layout):
+def wrap_ddp(model, layout: Layout, bucket_cap_mb: float | None = None):
     """DDP as the layout has it: its reducer allocates buckets, a flat copy of the gradients it all-reduces, unless
-    gradient_as_bucket_view=True makes the gradients views into them."""
+    gradient_as_bucket_view=True makes the gradients views into them; buckets of bucket_cap_mb (DDP's 25 MB)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return DDP(model, gradient_as_bucket_view=not layout.buckets, init_sync=False)
+    return DDP(model, gradient_as_bucket_view=not layout.buckets, init_sync=False, bucket_cap_mb=bucket_cap_mb)
 
 
 def measure_memory(strategy: str, batch_size: int = 16, steps: int = 3, device=None) -> dict:
@@ -360,16 +360,22 @@ def count_collectives(step):
     return {k: [n, mode.payload[k]] for k, n in sorted(counts.items())}
 
 
+COUNTED_BUCKET_MB = 0.1  # exercise 2's DDP: buckets of 0.1 MB, so that its all-reduces are the learner's arithmetic
+
+
 def collective_runs(batch_size: int = 16) -> dict:
-    """On every rank of a group: one training step of the GPT under DDP, FSDP2 and TP (after a first step, so that
-    DDP's buckets are built), counted by count_collectives; and DDP's all-reduces seen by a communication hook."""
+    """On every rank of a group: one training step of the GPT under DDP (buckets of COUNTED_BUCKET_MB), FSDP2 and TP
+    (after a first step, in which DDP rebuilds its buckets in the order the gradients arrived), counted by
+    count_collectives."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = collective_device()
     X, y = next(batches(CharCorpus(), batch_size, GPTConfig().context, 1, seed=0))
     X, y = X.to(device), y.to(device)
     counted = {}
     for strategy in ("ddp", "fsdp2", "tp"):
-        model, layout = build_strategy(strategy, GPTConfig(), device, rank, world)
+        model, layout = build_strategy(strategy, GPTConfig(), device, rank, world, wrap=False)
+        if strategy == "ddp":
+            model = wrap_ddp(model, layout, bucket_cap_mb=COUNTED_BUCKET_MB)
         share = batch_size // layout.dp
         rows = slice(rank * share, (rank + 1) * share) if layout.dp > 1 else slice(None)  # TP ranks: the whole batch
         Xs, ys = X[rows], y[rows]
@@ -710,7 +716,9 @@ def check_states(states_per_rank) -> str:
 def check_prediction(predicted: dict, counted: dict) -> str:
     """Exercise 2: the learner's predicted calls per collective and strategy against the counted ones (counted:
     collective_runs' {strategy: {collective: [calls, bytes]}}), with the reason for each miss."""
-    hints = {"ddp": "DDP all-reduces buckets of gradients, not parameters: 433 kB fit in its first bucket (1 MB)",
+    hints = {"ddp": "DDP all-reduces buckets of gradients, not parameters: it fills a bucket in the order the "
+                    f"gradients arrive until it holds at least bucket_cap_mb={COUNTED_BUCKET_MB} "
+                    f"({int(COUNTED_BUCKET_MB * 2**20):,} B), then starts the next; 433,152 B of gradients fill 4",
              "fsdp2": "FSDP2 all-gathers each unit in forward (3) and again in backward all but the root, which it "
                       "keeps gathered (2); one reduce-scatter per unit",
              "tp": "forward: one all-reduce after each row-wise layer (out, proj: 4); backward: one after each "
@@ -729,7 +737,7 @@ def check_prediction(predicted: dict, counted: dict) -> str:
 
 
 def solution_predicted() -> dict:
-    return {"ddp": {"all_reduce": 1}, "fsdp2": {"all_gather": 5, "reduce_scatter": 3},
+    return {"ddp": {"all_reduce": 4}, "fsdp2": {"all_gather": 5, "reduce_scatter": 3},
             "tp": {"all_reduce": 13, "all_gather": 1}}
 
 
