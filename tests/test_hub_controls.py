@@ -53,15 +53,20 @@ pytestmark = [pytest.mark.usefixtures("nothing_left_behind"),
               pytest.mark.skipif(bool(test_hub.WHY_NOT), reason=test_hub.WHY_NOT or "ready")]
 
 
+def broken_config(tmp_path, change: str):
+    """The course's hub config, loaded, then changed by one control's setting."""
+    config = tmp_path / "jupyterhub_config.py"
+    config.write_text(f"c = get_config()  # noqa: F821\nload_subconfig({str(rehearsal.CONFIG)!r})  # noqa: F821\n"
+                      f"{change}\n")
+    return config
+
+
 @pytest.mark.timeout(test_hub.BUDGET_S + 120)
 @pytest.mark.parametrize("control", CONTROLS)
 def test_the_hub_test_fails_on_a_broken_hub(control, tmp_path):
     change, failure = CONTROLS[control]
-    config = tmp_path / "jupyterhub_config.py"
-    config.write_text(f"c = get_config()  # noqa: F821\nload_subconfig({str(rehearsal.CONFIG)!r})  # noqa: F821\n"
-                      f"{change}\n")
     with pytest.raises(AssertionError, match=failure) as failed:
-        test_hub.workshop(tmp_path, config=config)
+        test_hub.workshop(tmp_path, config=broken_config(tmp_path, change))
     print(f"{control}: the hub test failed as it must: {str(failed.value)[:600]}")
 
 
@@ -93,11 +98,8 @@ REHEARSAL_CONTROLS = {
 @pytest.mark.parametrize("control", REHEARSAL_CONTROLS)
 def test_the_rehearsal_fails_on_a_broken_hub(control, tmp_path):
     change, check = REHEARSAL_CONTROLS[control]
-    config = tmp_path / "jupyterhub_config.py"
-    config.write_text(f"c = get_config()  # noqa: F821\nload_subconfig({str(rehearsal.CONFIG)!r})  # noqa: F821\n"
-                      f"{change}\n")
     (tmp_path / "rehearsal").mkdir()
-    record = load.rehearse(2, 2, 1, 1, tmp_path / "rehearsal", config=config)
+    record = load.rehearse(2, 2, 1, 1, tmp_path / "rehearsal", config=broken_config(tmp_path, change))
     print(load.report(record))
     check(record)
     assert not any(record["left"].values()), record["left"]  # a broken hub too leaves nothing behind
