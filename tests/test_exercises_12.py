@@ -144,6 +144,17 @@ def test_exercise_3_bug_hunt(cluster):
     for symptom in ("wrap all but the last in model.no_sync()", "bucket_cap_mb is tiny", ".item() ran",
                     "give it workers"):
         assert symptom in verdict, (symptom, verdict)
+    # the profile the notebook shows for the skeleton holds the evidence: all-reduces more often than micro-batches
+    # (tiny buckets, every micro-batch synced), the single-process loader's __next__, the loop's .item() calls;
+    # the solution's shows one all-reduce per step and no such loader
+    for loop, all_reduces, loader, items in ((skeleton, lambda n: n > 12, True, lambda n: n > 3),
+                                             ((lesson.solution_wrap, lesson.solution_train), lambda n: n == 3, False,
+                                              lambda n: n <= 3)):  # the check's rule: at most one a step
+        shown = lesson.hunt_profile(cluster, *loop)
+        calls = [int(line.split()[-1]) for line in shown.splitlines() if line.strip().startswith("gloo:all_reduce")]
+        assert len(calls) == 1 and all_reduces(calls[0]), shown
+        assert ("_SingleProcessDataLoaderIter" in shown) == loader, shown
+        assert items(int(shown.rsplit(": ", 1)[1])), shown
 
 
 OTHER_FIX = '''

@@ -571,6 +571,7 @@ def _hunt_trial(wrap, train, steps: int = 3, accumulate: int = 4) -> dict:
     every = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(every, checksum)
     return dict(error=None, all_reduces=len(calls), buckets=len(buckets),
+                profile=prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=55),
                 optimizer_steps=sum(e.name.startswith("Optimizer.step") for e in events if e.cpu_parent is None
                                     or not e.cpu_parent.name.startswith("Optimizer.step")),
                 items=sum(e.name == "aten::item" and not in_optimizer(e) for e in events),
@@ -578,6 +579,18 @@ def _hunt_trial(wrap, train, steps: int = 3, accumulate: int = 4) -> dict:
                 loader_ms=sum(e.cpu_time_total for e in events if "_SingleProcessDataLoaderIter.__next__" in e.name)
                 / 1e3,
                 replicas_equal=len({float(t) for t in every}) == 1)
+
+
+def hunt_profile(cluster, wrap, train, steps: int = 3, accumulate: int = 4) -> str:
+    """Exercise 3's evidence: the learner's loop run on every engine under the profiler, as check_bug_hunt runs it;
+    rank 0's profile (the profiler's table, sorted by CPU time) and its .item() calls outside the optimizer."""
+    cluster.run(on_every_rank, _hunt_trial, wrap, train, steps, accumulate, seconds=30.0)
+    failed = first_error(cluster.results)
+    if failed:
+        return f"rank {failed[0]} failed ({failed[1]})"
+    r = cluster.results[0][1]
+    return r["error"] or (f"rank 0, {steps} optimizer steps of {accumulate} micro-batches:\n{r['profile']}"
+                          f"aten::item calls in the loop (the optimizer's left out): {r['items']}")
 
 
 def check_bug_hunt(cluster, wrap, train, steps: int = 3, accumulate: int = 4) -> str:
