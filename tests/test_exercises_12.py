@@ -92,7 +92,7 @@ FP32_NO_DROPOUT = dict(value_bytes=4, dropout=False, attention_scores=False)  # 
 
 
 # Exercise 2: collectives, predicted then counted
-COUNTED = {"ddp": {"all_reduce": [4, 433152], "broadcast": [2, 156]},
+COUNTED = {"ddp": {"all_reduce": [4, 433152], "broadcast": [2, 168]},
            "fsdp2": {"all_gather": [5, 833024], "reduce_scatter": [3, 433152]},
            "tp": {"all_gather": [1, 98304], "all_reduce": [13, 1703936]}}
 
@@ -109,7 +109,8 @@ def test_exercise_2_prediction():
 
 
 def test_exercise_2_accepts_a_prediction_that_also_counts_ddps_broadcasts():
-    """DDP's forward broadcasts its buffers (tiny): a learner who predicts them is not wrong; TP's count as arithmetic."""
+    """DDP's rebuild broadcasts its bucket indices and sizes (tiny): a learner who predicts them is not wrong; TP's
+    count as arithmetic."""
     layers = 2
     other = {"ddp": {"all_reduce": 4, "broadcast": 2},
              "fsdp2": {"all_gather": layers + 1 + layers, "reduce_scatter": layers + 1},
@@ -124,14 +125,16 @@ def test_the_counts_are_what_commdebugmode_sees_on_the_engines(cluster):
     assert lesson.check_prediction(lesson.solution_predicted(), counted).startswith("correct"), counted
     assert counted["ddp"]["all_reduce"] == [4, 433152]  # the gradients' bytes, in buckets of 0.1 MB
     # the bucket arithmetic: DDP closes a bucket once it holds at least bucket_cap_mb, in the order the gradients
-    # arrive (after its rebuild: the reverse of the parameters' order here)
+    # arrive (after its rebuild: the reverse of the parameters' order here); DDP's own all-reduces carry these buckets
     model = lesson.GPT(lesson.GPTConfig())
-    sizes, buckets, filled = [p.numel() * 4 for p in reversed(list(model.parameters()))], 0, 0
+    sizes, buckets, filled = [p.numel() * 4 for p in reversed(list(model.parameters()))], [], 0
     for size in sizes:
         filled += size
-        if filled >= lesson.COUNTED_BUCKET_MB * 2**20:
-            buckets, filled = buckets + 1, 0
-    assert buckets + (filled > 0) == 4
+        if filled >= int(lesson.COUNTED_BUCKET_MB * 2**20):
+            buckets, filled = buckets + [filled], 0
+    buckets += [filled] if filled else []
+    cluster.run(on_every_rank, lesson.collective_runs, 16, True)
+    assert buckets == cluster.results[0][1]["ddp"]["all_reduce"][2] == [145152, 133376, 116992, 37632], buckets
 
 
 # Exercise 3: the bug hunt
@@ -153,7 +156,8 @@ def test_exercise_3_bug_hunt(cluster):
         shown = lesson.hunt_profile(cluster, *loop)
         calls = [int(line.split()[-1]) for line in shown.splitlines() if line.strip().startswith("gloo:all_reduce")]
         assert len(calls) == 1 and all_reduces(calls[0]), shown
-        assert ("_SingleProcessDataLoaderIter" in shown) == loader, shown
+        assert ("_SingleProcessDataLoaderIter.__next__" in shown) == loader == \
+            cluster.results[0][1]["single_process_loader"], shown
         assert items(int(shown.rsplit(": ", 1)[1])), shown
 
 

@@ -336,9 +336,10 @@ def _payload(op, args) -> int:
     return largest
 
 
-def count_collectives(step):
+def count_collectives(step, per_call: bool = False):
     """Run step() under CommDebugMode (torch.distributed.tensor.debug) and return {collective: [calls, bytes]}:
-    its counts, and the bytes of each call added up here (CommDebugMode counts calls, not bytes)."""
+    its counts, and the bytes of each call added up here (CommDebugMode counts calls, not bytes); per_call: also
+    each call's bytes, in order, as a third item."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     class BytesToo(CommDebugMode):
@@ -346,27 +347,27 @@ def count_collectives(step):
             before = sum(self.comm_counts.values())
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if out is not NotImplemented and sum(self.comm_counts.values()) > before:
-                self.payload[_short(func._overloadpacket)] += _payload(func._overloadpacket, args)
+                self.calls[_short(func._overloadpacket)].append(_payload(func._overloadpacket, args))
             return out
 
     from collections import defaultdict
     mode = BytesToo()
-    mode.payload = defaultdict(int)
+    mode.calls = defaultdict(list)
     with mode:
         step()
     counts = defaultdict(int)
     for op, n in mode.get_comm_counts().items():
         counts[_short(op)] += n
-    return {k: [n, mode.payload[k]] for k, n in sorted(counts.items())}
+    return {k: [n, sum(mode.calls[k]), *([mode.calls[k]] if per_call else [])] for k, n in sorted(counts.items())}
 
 
 COUNTED_BUCKET_MB = 0.1  # exercise 2's DDP: buckets of 0.1 MB, so that its all-reduces are the learner's arithmetic
 
 
-def collective_runs(batch_size: int = 16) -> dict:
+def collective_runs(batch_size: int = 16, per_call: bool = False) -> dict:
     """On every rank of a group: one training step of the GPT under DDP (buckets of COUNTED_BUCKET_MB), FSDP2 and TP
     (after a first step, in which DDP rebuilds its buckets in the order the gradients arrived), counted by
-    count_collectives."""
+    count_collectives (per_call: each call's bytes too)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = collective_device()
     X, y = next(batches(CharCorpus(), batch_size, GPTConfig().context, 1, seed=0))
@@ -380,7 +381,7 @@ def collective_runs(batch_size: int = 16) -> dict:
         rows = slice(rank * share, (rank + 1) * share) if layout.dp > 1 else slice(None)  # TP ranks: the whole batch
         Xs, ys = X[rows], y[rows]
         loss_fn(model(Xs), ys).backward()
-        counted[strategy] = count_collectives(lambda: loss_fn(model(Xs), ys).backward())
+        counted[strategy] = count_collectives(lambda: loss_fn(model(Xs), ys).backward(), per_call)
     return counted
 
 
@@ -571,7 +572,7 @@ def _hunt_trial(wrap, train, steps: int = 3, accumulate: int = 4) -> dict:
     every = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(every, checksum)
     return dict(error=None, all_reduces=len(calls), buckets=len(buckets),
-                profile=prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=55),
+                profile=prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=75),
                 optimizer_steps=sum(e.name.startswith("Optimizer.step") for e in events if e.cpu_parent is None
                                     or not e.cpu_parent.name.startswith("Optimizer.step")),
                 items=sum(e.name == "aten::item" and not in_optimizer(e) for e in events),
@@ -613,7 +614,7 @@ def check_bug_hunt(cluster, wrap, train, steps: int = 3, accumulate: int = 4) ->
                      "micro-batch's backward all-reduces; wrap all but the last in model.no_sync()")
     if r["buckets"] > 4:
         wrong.append(f"{r['buckets']} buckets for 433 kB of gradients: bucket_cap_mb is tiny, so each all-reduce "
-                     "carries a few kB and pays its latency; leave DDP's default (25 MB) or a few MB")
+                     "carries some tens of kB and pays its latency; leave DDP's default (25 MB) or a few MB")
     if r["items"] > steps:
         wrong.append(f".item() ran {r['items']} times for {steps} steps: on a GPU each one waits for every queued "
                      "kernel; keep the losses as tensors (loss.detach()) and call .item() once at the end")
@@ -739,7 +740,7 @@ def check_prediction(predicted: dict, counted: dict) -> str:
                    "the head's logits are all-gathered once"}
     misses = []
     for strategy, ops in counted.items():
-        want = {op: n for op, (n, _) in ops.items() if op != "broadcast"}  # DDP's forward: tiny broadcasts
+        want = {op: n for op, (n, *_) in ops.items() if op != "broadcast"}  # DDP's rebuild: its bucket indices
         got = {op: n for op, n in predicted.get(strategy, {}).items() if op != "broadcast"}
         if got != want:
             misses.append(f"{strategy}: predicted {got or 'nothing'}, counted {want} ({hints[strategy]})")
