@@ -44,7 +44,9 @@ T = {s: notes(s)[0][0][1] for s in STEMS}
 secs10 = notes("10_when_things_go_wrong")[0]
 errors = next(h for h, _ in secs10 if "Two DDP errors" in h).split(".")[0]  # its section number
 track10 = sum(m for h, m in secs10 if h.startswith((f"{errors}. ", "Exercise 3", "Exercise 4")))
-core10 = T["10_when_things_go_wrong"] - track10
+lab10 = next(h for h, _ in secs10 if "hang lab" in h).split(".")[0]  # its section number
+hanglab10 = sum(m for h, m in secs10 if h.startswith(f"{lab10}. "))
+core10 = T["10_when_things_go_wrong"] - track10 - hanglab10
 track06 = sum(m for h, m in notes("06_multi_node")[0] if h.startswith("Rehearsal 5"))
 core06 = T["06_multi_node"] - track06
 
@@ -56,7 +58,7 @@ ROWS = [
  ("", "03b the DDP trainer (+ capstone)", T["03b_ddp_trainer"], "01, 03a", recorded("03b_ddp_trainer"), "8-12 min"),
  ("", "06 multi-node (all but rehearsal 5)", core06, "03a, 03b", recorded("06_multi_node") + ", all of 06", "~3 min"),
  ("", "07 scaling study", T["07_scaling_study"], "03a, 03b", recorded("07_scaling_study"), "2-5 min"),
- ("", f"10 when things go wrong (all but section {errors} and exercises 3-4)", core10, "03a, 03b",
+ ("", f"10 when things go wrong (all but sections {errors}-{lab10}, exercises 3-4)", core10, "03a, 03b",
   recorded("10_when_things_go_wrong") + ", all of 10", "5-10 min"),
  ("**track: mixed precision**", "04 mixed precision", T["04_mixed_precision"], "01, 03a, 03b",
   recorded("04_mixed_precision"), "5-10 min"),
@@ -69,6 +71,8 @@ ROWS = [
  ("**track: performance clinic**", "12 memory, collectives, traces, bugs, layouts",
   T["12_performance_clinic"], "07, 09, 11", recorded("12_performance_clinic"), "3-5 min"),
  ("**track: two DDP errors**", f"10 section {errors}, exercises 3-4", track10, "03a, 03b", "(in 10's run)", "(in 10's run)"),
+ ("**track: a hang lab**", f"10 section {lab10}: dumps at a timeout, torchfrtrace", hanglab10, "03a, 03b",
+  "(in 10's run)", "(in 10's run)"),
  ("**track: history**", "02 DataParallel", T["02_data_parallel"], "01", recorded("02_data_parallel"), "3-5 min"),
  ("**track: clusters**", "06 rehearsal 5: virtual nodes, a real Slurm (root)", track06, "03a, 03b", "(in 06's run)",
   "(in 06's run)"),
@@ -124,7 +128,8 @@ f"All notebooks together: {allmin} min ({hm(allmin)}).", "",
 "  a laptop's CPU shows its numerics but not its speed. Multi-node (06) stays: launching across nodes is what the",
 "  attendees do next week.",
 f"- **10 stops after exercise 2.** Its section {errors} and exercises 3-4 (an unused parameter, uneven inputs) are the track",
-"  *two DDP errors*: in the room, go from exercise 2 to the clean-up cell.",
+f"  *two DDP errors*, and its section {lab10} (three hangs read by torch's flight-recorder analyzer) the track *a hang lab*: in",
+"  the room, go from exercise 2 to the clean-up cell.",
 "- **06 leaves out rehearsal 5.** Its virtual nodes and Slurm daemons need root, which attendees on a cluster lack",
 "  (there the cell falls back to one machine and repeats rehearsal 1); they launch on real nodes instead. Its cells",
 "  start and stop their own nodes, so skipping them breaks nothing after. The *clusters* track keeps it.", "",
@@ -161,7 +166,7 @@ said = re.compile(r"The core day is \d+ min of teaching \([^)]*\)(?:,\s+\d+ min 
 assert len(said.findall(readme)) == 1, "README.md must say 'The core day is N min of teaching (...)' once"
 wanted = {ROOT / "slides/course_plan.md": "\n".join(out),
           ROOT / "README.md": said.sub(f"The core day is {core} min of teaching (00, 01, 03a, 03b, 06 without its "
-                                       f"rehearsal 5, 07, and 10 without its section {errors}),\n{core + SETUP} min "
+                                       f"rehearsal 5, 07, and 10 without its sections {errors}-{lab10}),\n{core + SETUP} min "
                                        f"with its setup block ({fits.split(':')[0]}: the plan says what gives)",
                                        readme)}
 if "--check" in sys.argv[1:]:

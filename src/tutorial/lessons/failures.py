@@ -2,11 +2,13 @@
 
 The failures themselves (a collective one rank skips, shapes that differ, a barrier nobody else reaches) and the
 tools (`py-spy dump`, torch's debug server, `os.kill`, `torchrun --max-restarts`) are typed in the notebook. Here: the
-line a rank waits on in a py-spy dump, the debug server's pages taken apart and read together, the pid of a torchrun
+line a rank waits on in a py-spy dump, the debug server's pages taken apart and read together, every rank's flight
+recorder written when a collective times out (the hang lab) and torchfrtrace's report read, the pid of a torchrun
 worker to kill, a walltime's SIGTERM-then-SIGKILL, and the exercises' checkers and solutions.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -217,6 +219,124 @@ def stop_debug_server() -> None:
     elif debug._WORKER_SERVER is not None:
         debug._WORKER_SERVER.shutdown()
         debug._WORKER_SERVER = None
+
+
+# ---------------------------------------------------------------------------------------------------- the hang lab
+FR_PREFIX = "fr_trace_rank_"  # <folder>/fr_trace_rank_<rank>: torchfrtrace finds the ranks by this prefix
+
+
+def write_flight_record(path: str, asked_ns: int | None = None) -> None:
+    """On an engine: this rank's flight recorder, written to `path` as NCCL's watchdog writes it on a timeout (the
+    pickle torchfrtrace reads), for the process groups alive now. Two things in torch 2.14.1's gloo recorder are put
+    right first. Its group table files every group under the name '' (it is filled before the group is named) while
+    the entries carry the real name, so torchfrtrace cannot match them (KeyError): the table is written again from
+    the live groups. And the recorder is one ring buffer for every group the process has made, where a group made
+    again after a destroy gets the old one's name: only each live name's latest group (the highest pg_id) is kept.
+    With `asked_ns` (time.time_ns() when the dump was asked for), collectives called after it are left out: the
+    dump, with its stacks, takes a second or more, and a busy rank may go on meanwhile."""
+    import pickle
+
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _dump_fr_trace
+    from torch.distributed import distributed_c10d as c10d
+    record = pickle.loads(_dump_fr_trace(True, True, False))  # collectives, with their stacks, completed ones too
+    groups = {c10d._get_process_group_name(pg): pg for pg in c10d._world.pg_names}
+    record["pg_config"] = {name: {"name": name, "desc": pg.group_desc, "ranks": str(dist.get_process_group_ranks(pg))}
+                           for name, pg in groups.items()}
+    latest = {}
+    for e in record["entries"]:
+        latest[e["process_group"][0]] = max(latest.get(e["process_group"][0], -1), e["pg_id"])
+    record["entries"] = [e for e in record["entries"]
+                         if e["process_group"][0] in groups and e["pg_id"] == latest[e["process_group"][0]]
+                         and (asked_ns is None or e["time_created_ns"] <= asked_ns)]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(pickle.dumps(record))
+
+
+def collective_error(exc: BaseException) -> str:
+    """gloo's error in one line without its source file and addresses: 'Timed out waiting 5000ms for recv operation
+    to complete', 'Connection closed by peer'."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())  # "[.../unbound_buffer.cc:78] "
+    text = re.sub(r"\s*\[[0-9a-fA-F.:]+\]:\d+", "", text)  # " [127.0.0.1]:61056"
+    return text.split(". ")[0].splitlines()[0]
+
+
+@contextlib.contextmanager
+def dump_on_timeout(folder: str, write_within: float = 30, poll: float = 0.1):
+    """On an engine, around code that may hang: for a gloo group, what TORCH_NCCL_DUMP_ON_TIMEOUT=1 has NCCL's
+    watchdog do. When a collective inside fails on a rank (the group's timeout, or a peer that gave up), that rank
+    says so in the group's store and prints one line, and every rank writes its flight recorder to
+    <folder>/fr_trace_rank_<rank> from a thread of its own, so a rank still busy in its own work writes what it had
+    done by then. The group is broken afterwards: destroy it."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    store, rank, key = c10d._get_default_store(), dist.get_rank(), f"dump_on_timeout:{folder}"
+    written, done = threading.Event(), threading.Event()
+
+    def watch():  # NCCL's watchdog thread, in short: it waits for any rank's word, then dumps
+        while not done.is_set():
+            try:
+                if store.check([key]):
+                    write_flight_record(os.path.join(folder, f"{FR_PREFIX}{rank}"), asked_ns=time.time_ns())
+                    written.set()
+                    return
+            except RuntimeError:  # the store's server (rank 0's) is gone: nobody can ask for a dump any more
+                return
+            time.sleep(poll)
+
+    watcher = threading.Thread(target=watch, name="dump_on_timeout", daemon=True)
+    watcher.start()
+    try:
+        yield
+    except RuntimeError as exc:  # DistBackendError, DistNetworkError are RuntimeErrors
+        store.set(key, str(rank))
+        print(f"rank {rank}: {collective_error(exc)}; flight recorder written")
+    finally:
+        if store.check([key]) and not written.wait(write_within):
+            raise TimeoutError(f"rank {rank}: its flight recorder was not written within {write_within:g} s")
+        done.set()
+        watcher.join(timeout=5 * poll + 5)
+
+
+def fr_summary(report) -> str:
+    """torchfrtrace's first finding as the notebook prints it: its lines up to the stack of the call, without the
+    recorder's internal record id (it counts every collective the process made), and then the stack's line in the
+    learner's code ('line 9 of the cell', as collective_frame says it) in place of the stack's thirty frames."""
+    lines = report.splitlines() if isinstance(report, str) else list(report)
+    at = next((i for i, line in enumerate(lines) if line.startswith("collective stack trace")), len(lines))
+    kept = [line for line in lines[:at] if not line.startswith("internal record id")]
+    for line in lines[at + 1:]:
+        frame = re.match(r"\s*(\S+) at (.+):(\d+)$", line)
+        if frame and "/torch/" not in frame.group(2):
+            cell = "ipykernel_" in frame.group(2) or re.fullmatch(r"\d+\.py", os.path.basename(frame.group(2)))
+            place = "the cell" if cell else os.path.basename(frame.group(2))
+            kept.append(f"called at line {frame.group(3)} of {place}")
+            break
+    return "\n".join(kept)
+
+
+def fr_verdicts(report) -> list[str]:
+    """torchfrtrace's report (`out = !torchfrtrace FOLDER`), one line per problem it found: 'collective #4: rank(s)
+    {1} never joined all_reduce' or 'collective #4: COLLECTIVE_TYPE_MISMATCH: Expected collective type ... (culprit
+    rank 0)'; ['no mismatch'] when it found none."""
+    text = report if isinstance(report, str) else "\n".join(report)
+    verdicts = []
+    for block in re.split(r"\n(?=Collective sequence number|Not all ranks joining)", "\n" + text):
+        seq = re.search(r"sequence number:?\s*(\d+)", block)
+        if not seq or not block.startswith(("Collective sequence number", "Not all ranks joining")):
+            continue
+        op = re.search(r"^collective: \w+:(\w+)", block, re.M)
+        missing = re.search(r"^missing ranks: (\{.*\})", block, re.M)
+        error = re.search(r"^error msg: Culprit rank (\d+); Error type: (\w+), (.*)$", block, re.M)
+        if missing:
+            verdicts.append(f"collective #{seq.group(1)}: rank(s) {missing.group(1)} never joined "
+                            f"{op.group(1) if op else 'it'}")
+        elif error:
+            verdicts.append(f"collective #{seq.group(1)}: {error.group(2)}: {error.group(3)} "
+                            f"(culprit rank {error.group(1)})")
+    return verdicts or ["no mismatch"]
 
 
 # ---------------------------------------------------------------------------------------------------- exercises
