@@ -191,6 +191,32 @@ def fp8_formats(device: torch.device) -> tuple[torch.dtype, ...]:
     return OCP_FP8 if torch.cuda.get_device_capability(device) >= (8, 9) else ()  # Ada, Hopper and later
 
 
+class AllocatorWindow:
+    """The GPU allocator's counters over a block (`with AllocatorWindow(device) as mem:`), through torch.accelerator
+    so any vendor's: `before` (bytes allocated at the start), `max` (the most allocated during the block), `peak`
+    (max less before), `kept` (allocated at the end less before). The peak counter is reset at the start and the
+    device synchronized at both ends, so kernels still queued are counted. On the CPU, which has no such counters,
+    all four stay None (the lessons read the profiler's memory events there)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.before = self.max = self.peak = self.kept = None
+
+    def __enter__(self) -> "AllocatorWindow":
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+            torch.accelerator.reset_peak_memory_stats(self.device)
+            self.before = torch.accelerator.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type != "cpu" and exc[0] is None:
+            torch.accelerator.synchronize(self.device)
+            self.max = torch.accelerator.max_memory_allocated(self.device)
+            self.peak = self.max - self.before
+            self.kept = torch.accelerator.memory_allocated(self.device) - self.before
+
+
 def device_label(device: torch.device) -> str:
     """The device and what its precision support follows from: "NVIDIA A100-SXM4-40GB, compute capability 8.0",
     "AMD Instinct MI250X, gfx90a", "Intel(R) Data Center GPU Max 1550", "a CPU"."""

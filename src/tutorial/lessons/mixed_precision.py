@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.accelerator import AllocatorWindow
 from ..core.config import ConfigError, TrainConfig
 from ..core.precision import Precision
 from .measure import _default_device, model_and_batch, step_seconds
@@ -84,11 +85,10 @@ def precision_benchmark(cfg: TrainConfig, precisions=("fp32", "bf16"), steps: in
         model, X, y = model_and_batch(cfg, device=device, real=False)
         if cfg.channels_last:
             model, X = model.to(memory_format=torch.channels_last), X.contiguous(memory_format=torch.channels_last)
-        if device.type != "cpu":
-            torch.accelerator.reset_peak_memory_stats(device)
-        row = {"precision": name, "samples/s": round(len(X) / step_seconds(model, X, y, precision, steps))}
-        if device.type != "cpu":
-            row["peak MiB"] = torch.accelerator.max_memory_allocated(device) / 2**20
+        with AllocatorWindow(device) as memory:
+            row = {"precision": name, "samples/s": round(len(X) / step_seconds(model, X, y, precision, steps))}
+        if memory.max is not None:
+            row["peak MiB"] = memory.max / 2**20
         rows.append(row)
         del model
     return rows

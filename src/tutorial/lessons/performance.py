@@ -20,6 +20,7 @@ from ..bench.plan import (FLOAT, activation_bytes, block_activations, forward_co
                           korthikanti_bytes, largest_micro_batch, mixed_states, parameter_counts, plan_memory, refuse,
                           stage_parameters, zero_states)
 from ..bench.traces import breakdown, late_starts, merge_traces, straggler  # noqa: F401 (12: lesson.*)
+from ..core.accelerator import AllocatorWindow
 from ..core.corpus import CharCorpus, batches
 from ..core.distributed import collective_device
 from ..core.gpt import GPT, GPTConfig, loss_fn
@@ -74,15 +75,11 @@ def _allocated(fn, device, settle: bool = True, group: bool = True) -> tuple:
     rank of the group (group=False: this process alone) got there and collectives' buffers were freed."""
     from torch.profiler import ProfilerActivity, profile
     if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-        torch.accelerator.reset_peak_memory_stats(device)
-        before = torch.accelerator.memory_allocated(device)
-        out = fn()
-        if settle:
-            _settle(group)
-        torch.accelerator.synchronize(device)
-        return (torch.accelerator.memory_allocated(device) - before,
-                torch.accelerator.max_memory_allocated(device) - before, out)
+        with AllocatorWindow(device) as memory:
+            out = fn()
+            if settle:
+                _settle(group)
+        return memory.kept, memory.peak, out
     gc.collect()  # the garbage of earlier steps freed now, not inside fn's count
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()

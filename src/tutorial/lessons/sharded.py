@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..core.accelerator import AllocatorWindow
 from ..core.config import TrainConfig, first_line
 from ..core.deepspeed_compat import join_group
 from ..core.distributed import init_process_group, teardown, world_from_env
@@ -79,23 +80,20 @@ def memory_per_rank(cfg: TrainConfig, strategy: str) -> dict:
     try:
         if deepspeed:
             join_group(device, created)
-        if device.type != "cpu":  # a GPU of any vendor: torch.accelerator's allocator counters
-            torch.accelerator.synchronize(device)
-            torch.accelerator.reset_peak_memory_stats(device)
-        built = trainer.build(cfg, device, precision) if strategy == "fsdp" else trainer.build(cfg, device)
-        model, optimizer, loader, _, _ = built
-        X, y = (t.to(device) for t in next(iter(loader)))
-        for step in range(2):
-            loss = F.cross_entropy(model(X), y)
-            model.backward(loss) if deepspeed else loss.backward()
-            if step == 0:
-                model.step() if deepspeed else (optimizer.step(), optimizer.zero_grad())
+        with AllocatorWindow(device) as memory:  # a GPU of any vendor: the allocator's counters; None on the CPU
+            built = trainer.build(cfg, device, precision) if strategy == "fsdp" else trainer.build(cfg, device)
+            model, optimizer, loader, _, _ = built
+            X, y = (t.to(device) for t in next(iter(loader)))
+            for step in range(2):
+                loss = F.cross_entropy(model(X), y)
+                model.backward(loss) if deepspeed else loss.backward()
+                if step == 0:
+                    model.step() if deepspeed else (optimizer.step(), optimizer.zero_grad())
         module = model.module if hasattr(model, "module") else model
         held = held_bytes(module, optimizer)
         full = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.parameters())
-        peak = torch.accelerator.max_memory_allocated(device) if device.type != "cpu" else None
         return dict(strategy=strategy, rank=dist.get_rank(), world_size=dist.get_world_size(), parameter_count=full,
-                    gpu_peak=peak, **held)
+                    gpu_peak=memory.max, **held)
     finally:
         teardown(created)
 
@@ -291,20 +289,16 @@ def activation_memory(model, X, blocks=None) -> dict:
     handles = [b.register_forward_pre_hook(lambda m, a, i=i: recomputed(m, a, i)) for i, b in enumerate(blocks)]
     handles += [p.register_post_accumulate_grad_hook(lambda p, i=i: through(p, i))
                 for i, b in enumerate(blocks) for p in b.parameters()]
-    gpu = X.device.type != "cpu"
-    if gpu:
-        torch.accelerator.synchronize(X.device)
-        torch.accelerator.reset_peak_memory_stats(X.device)
-        before = torch.accelerator.memory_allocated(X.device)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(X).square().mean()
-        state["backward"] = True
-        loss.backward()
+        with AllocatorWindow(X.device) as memory:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = model(X).square().mean()
+            state["backward"] = True
+            loss.backward()
     finally:
         for h in handles:
             h.remove()
-    peak = torch.accelerator.max_memory_allocated(X.device) - before if gpu else None
+    peak = memory.peak
     grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in _named_block_parameters(blocks)}
     return {"saved_bytes": sum(saved.values()), "peak_bytes": peak, "at_once": state["at_once"], "grads": grads}
 
