@@ -40,7 +40,7 @@ STAGE = "2d"  # 2D
 
 
 def setup(cfg: ParallelConfig):
-    """The device."""
+    """The device."""  # TP: (device, world, mesh, created): who we are, on which mesh
     # TP: rank, local_rank, world_size from torchrun, MPI, Slurm or the engines; one GPU per process
     world = world_from_env()
     device = pick_device(world.local_rank, world.local_world_size)  # TP

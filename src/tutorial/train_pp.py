@@ -36,7 +36,7 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # PP
 
 
 def setup(cfg: ParallelConfig):
-    """The device."""
+    """The device."""  # PP: (device, world, created): and who we are
     world = world_from_env()  # PP: rank, local_rank, world_size from torchrun, MPI, Slurm, engines
     # PP: every micro-batch the same shape, as the stages' buffers expect; equal stages
     check_layout(Layout(pp=world.world_size), cfg.n_heads, cfg.n_layers,  # PP
