@@ -2,8 +2,9 @@
 recorder written at the real timeout (`lesson.dump_on_timeout`, what TORCH_NCCL_DUMP_ON_TIMEOUT does for NCCL), and
 torch's own analyzer (`torchfrtrace`) reading the files. The notebook's cells assert all three verdicts; here two of
 the hangs, each the other's negative control (a skipped collective is a type mismatch at #4, a rank busy in its own
-work is a rank that never joined #4, written while it was still busy), and the controls: the dump as gloo writes it
-(its group table under '') breaks the analyzer, and a run without a hang writes nothing."""
+work is a rank that never joined #4, written while it was still busy), a rank that left its block before the other
+timed out (it stays and writes; the two processes' record ids one apart before the block), and the controls: the
+dump as gloo writes it (its group table under '') breaks the analyzer, and a run without a hang writes nothing."""
 from __future__ import annotations
 
 import os
@@ -40,19 +41,29 @@ HANGS = {  # what runs inside `with lesson.dump_on_timeout(folder):`, after thre
     "none": """
     dist.all_reduce(torch.ones(4))
 """,
+    # rank 0 leaves its block normally and rank 1 times out later, alone in a collective; before the block rank 1
+    # made a collective of its own (BEFORE), so the two processes' record ids are one apart
+    "after": """
+    if rank == 1:
+        dist.all_reduce(torch.ones(1))
+""",
 }
+BEFORE = {"after": """solo = dist.new_group([1])  # every rank makes the group; only rank 1 uses it
+if rank == 1:
+    dist.all_reduce(torch.ones(2), group=solo)
+"""}
 
 VERDICTS = {
-    "skipped": ["collective #4: COLLECTIVE_TYPE_MISMATCH: Expected collective type: 'barrier' does not match found "
-                "collective type: 'all_reduce' (culprit rank 0)"],
+    "skipped": ["collective #4: COLLECTIVE_TYPE_MISMATCH (all_reduce, barrier)"],
     "busy": ["collective #4: rank(s) {1} never joined all_reduce"],
     "none": ["no mismatch"],
+    "after": ["collective #4: rank(s) {0} never joined all_reduce"],
 }
 
 
 def code(hang: str, folder: str) -> str:
     """What the engines run for `hang`: a fresh gloo group, three all-reduces and the hang in dump_on_timeout."""
-    return (INIT + f"with lesson.dump_on_timeout({folder!r}):\n    for step in range(3):\n"
+    return (INIT + BEFORE.get(hang, "") + f"with lesson.dump_on_timeout({folder!r}):\n    for step in range(3):\n"
             f"        dist.all_reduce(torch.ones(4))\n{HANGS[hang]}" + "\ndist.destroy_process_group()\n")
 
 
@@ -72,7 +83,7 @@ def analyze(folder: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def planted(cluster, tmp_path_factory):
-    """Every hang planted once (about 5 + 8 s of timeouts): {hang: (folder, the engines' stdout)}."""
+    """Every hang planted once (about 5 + 8 + 5 s of timeouts): {hang: (folder, the engines' stdout)}."""
     root = tmp_path_factory.mktemp("hangs")
     return {hang: (str(root / hang), plant(cluster, hang, str(root / hang))) for hang in HANGS}
 
@@ -85,21 +96,26 @@ def test_the_analyzer_classifies_each_planted_hang_from_the_dumps_of_its_real_ti
     else:
         assert sorted(os.listdir(folder)) == [f"{lesson.FR_PREFIX}0", f"{lesson.FR_PREFIX}1"]
         assert all(line.endswith("; flight recorder written") for line in stdout), stdout
+        if hang == "after":  # rank 0 left its block before rank 1's timeout, and stayed to write
+            assert stdout[0] == "rank 0: another rank's collective failed; flight recorder written", stdout
     report = analyze(folder) if hang != "none" else None
     if report is not None:
         assert report.returncode == 0, report.stdout[-2000:]
         assert lesson.fr_verdicts(report.stdout) == VERDICTS[hang], report.stdout
         # the summary's line is the compared call's in the code as the engine numbers it (IPython drops the first
         # blank line): rank 1's barrier for the skipped collective, rank 0's all-reduce that rank 1 never joined
-        call = {"skipped": "    dist.barrier()", "busy": "    dist.all_reduce(torch.ones(4))"}[hang]
-        line = next(i for i, text in enumerate(code(hang, folder).lstrip("\n").splitlines(), 1) if text == call)
-        assert lesson.fr_summary(report.stdout).endswith(f"called at line {line} of the cell"), report.stdout
+        if hang == "busy":  # rank 0's all-reduce that rank 1 never joined, whichever file the analyzer read first
+            line = next(i for i, text in enumerate(code(hang, folder).lstrip("\n").splitlines(), 1)
+                        if text == "    dist.all_reduce(torch.ones(4))")
+            assert lesson.fr_summary(report.stdout).endswith(f"called at line {line} of the cell"), report.stdout
         assert "internal record id" not in lesson.fr_summary(report.stdout)
         for rank in (0, 1):  # each dump holds exactly this group's collectives: three all-reduces and the hang's
             with open(os.path.join(folder, f"{lesson.FR_PREFIX}{rank}"), "rb") as f:
                 entries = pickle.load(f)["entries"]
             seqs = [e["collective_seq_id"] for e in entries]
-            assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) == (3 if (hang, rank) == ("busy", 1) else 4)
+            assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) == (3 if (hang, rank) in (
+                ("busy", 1), ("after", 0)) else 4)
+            assert [e["record_id"] for e in entries] == list(range(len(entries)))  # numbered from 0 on each rank
 
 
 def test_the_busy_rank_wrote_its_dump_while_still_in_its_own_work(planted):
@@ -110,21 +126,45 @@ def test_the_busy_rank_wrote_its_dump_while_still_in_its_own_work(planted):
     assert stdout[1].startswith("rank 1: ") and "Timed out" not in stdout[1], stdout
 
 
-def test_control_gloo_s_own_group_table_breaks_the_analyzer(planted, tmp_path):
-    """The dump as torch 2.14.1's gloo recorder writes it (every group under '') makes torchfrtrace fail, which is
-    why write_flight_record writes the table again."""
-    folder, _ = planted["skipped"]
+RAW = """
+import datetime, os, torch, torch.distributed as dist
+from torch._C._distributed_c10d import _dump_fr_trace
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+dist.all_reduce(torch.ones(4))
+raw = _dump_fr_trace(True, False, False)
+with open(os.path.join(folder, f"fr_trace_rank_{dist.get_rank()}"), "wb") as f:
+    f.write(raw)
+dist.destroy_process_group()
+"""
+
+
+def test_control_gloo_s_own_dump_breaks_the_analyzer(cluster, tmp_path):
+    """The dump as torch's gloo recorder writes it, taken on the engines: every group under '' in its table, and
+    torchfrtrace fails on it (KeyError). Why write_flight_record writes the table again; when torch mends it, this
+    fails and the mending can go."""
+    cluster.new_master_port()
+    cluster.view.push({"folder": str(tmp_path)}, block=True)
+    cluster.view.execute(RAW, block=True).get(timeout=60)
     for rank in (0, 1):
-        with open(os.path.join(folder, f"{lesson.FR_PREFIX}{rank}"), "rb") as f:
-            record = pickle.load(f)
-        record["pg_config"] = {"": {"name": "", "desc": "", "ranks": "[0, 1]"}}
-        (tmp_path / f"{lesson.FR_PREFIX}{rank}").write_bytes(pickle.dumps(record))
+        with open(tmp_path / f"{lesson.FR_PREFIX}{rank}", "rb") as f:
+            assert set(pickle.load(f)["pg_config"]) == {""}
     report = analyze(str(tmp_path))
     assert report.returncode != 0 and "KeyError" in report.stdout, (report.returncode, report.stdout[-500:])
 
 
-def test_the_verdicts_are_read_from_the_analyzer_s_own_words():
+def test_the_verdicts_are_read_from_the_analyzer_s_own_words_and_nothing_else_is_no_mismatch():
     report = ("Not all ranks joining collective, sequence number: 7\ninternal record id: 6\n"
               "collective: gloo:broadcast\nmissing ranks: {2, 3}\n")
     assert lesson.fr_verdicts(report) == ["collective #7: rank(s) {2, 3} never joined broadcast"]
+    either = "error msg: Culprit rank {}; Error type: COLLECTIVE_TYPE_MISMATCH, Expected collective type: '{}' does " \
+             "not match found collective type: '{}'"
+    for culprit, expected, found in ((0, "barrier", "all_reduce"), (1, "all_reduce", "barrier")):  # either file first
+        report = f"Collective sequence number: 4 has errors\n{either.format(culprit, expected, found)}\n"
+        assert lesson.fr_verdicts(report) == ["collective #4: COLLECTIVE_TYPE_MISMATCH (all_reduce, barrier)"]
     assert lesson.fr_verdicts("") == ["no mismatch"]
+    for unread in ("Traceback (most recent call last):\nKeyError: ('0', 1)",  # the analyzer failed
+                   "ValueError: Missing dump files from ranks {1}",
+                   "We cannot decide what's wrong with this collective entry because we missed FR dumps from ranks "
+                   "({1}) so we don't have enough information."):
+        with pytest.raises(ValueError):
+            lesson.fr_verdicts(unread)

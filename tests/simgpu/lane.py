@@ -60,10 +60,10 @@ FULL_NODE_CELLS = {
     "07_scaling_study": [2, 10, *range(19, 24), *range(26, 30), 31, 32, 34, 63],
     # [1] starts the engines; [45]-[52] the flight recorder's variables and the NCCL groups of a killed rank's run
     # resumed on restarted engines (lane PROMISES); [68]-[85] the exercise checkers' gloo groups beside them (a freed
-    # NCCL group's address once read a gloo group as NCCL there), and the stop [104]. Left out: the gloo groups typed
-    # by hand in [3]-[43] and in the hang lab [86]-[103], and the launches hidden from the GPUs ({cpu_only}) in [47]
+    # NCCL group's address once read a gloo group as NCCL there), and the stop [106]. Left out: the gloo groups typed
+    # by hand in [3]-[43] and in the hang lab [86]-[105], and the launches hidden from the GPUs ({cpu_only}) in [47]
     # and [54]-[67].
-    "10_when_things_go_wrong": [*range(0, 3), 45, *range(48, 53), *range(68, 86), 104],
+    "10_when_things_go_wrong": [*range(0, 3), 45, *range(48, 53), *range(68, 86), 106],
 }
 
 

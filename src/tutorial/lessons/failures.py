@@ -225,15 +225,25 @@ def stop_debug_server() -> None:
 FR_PREFIX = "fr_trace_rank_"  # <folder>/fr_trace_rank_<rank>: torchfrtrace finds the ranks by this prefix
 
 
-def write_flight_record(path: str, asked_ns: int | None = None) -> None:
+def next_record_id() -> int:
+    """The record id the flight recorder gives its next entry: one counter per process, across all its groups."""
+    import pickle
+
+    from torch._C._distributed_c10d import _dump_fr_trace
+    entries = pickle.loads(_dump_fr_trace(True, False, False)).get("entries", [])
+    return max((e["record_id"] for e in entries), default=-1) + 1
+
+
+def write_flight_record(path: str, since: int = 0) -> None:
     """On an engine: this rank's flight recorder, written to `path` as NCCL's watchdog writes it on a timeout (the
-    pickle torchfrtrace reads), for the process groups alive now. Two things in torch 2.14.1's gloo recorder are put
-    right first. Its group table files every group under the name '' (it is filled before the group is named) while
-    the entries carry the real name, so torchfrtrace cannot match them (KeyError): the table is written again from
-    the live groups. And the recorder is one ring buffer for every group the process has made, where a group made
-    again after a destroy gets the old one's name: only each live name's latest group (the highest pg_id) is kept.
-    With `asked_ns` (time.time_ns() when the dump was asked for), collectives called after it are left out: the
-    dump, with its stacks, takes a second or more, and a busy rank may go on meanwhile."""
+    pickle torchfrtrace reads): the entries recorded since record id `since` (next_record_id() when the code that may
+    hang began), for the process groups alive now. Three things are put right first. torch 2.14.1's gloo recorder
+    files every group under the name '' in its group table (the table is filled before the group is named) while the
+    entries carry the real name, so torchfrtrace cannot match them (KeyError): the table is written again from the
+    live groups. The recorder is one ring buffer for every group the process made, where a group made again after a
+    destroy gets the old one's name: hence `since`. And its record ids count every collective the process ever made,
+    which torchfrtrace lines the ranks up by: they are numbered from 0 again, so ranks that made different numbers
+    of collectives before still line up."""
     import pickle
 
     import torch.distributed as dist
@@ -243,12 +253,9 @@ def write_flight_record(path: str, asked_ns: int | None = None) -> None:
     groups = {c10d._get_process_group_name(pg): pg for pg in c10d._world.pg_names}
     record["pg_config"] = {name: {"name": name, "desc": pg.group_desc, "ranks": str(dist.get_process_group_ranks(pg))}
                            for name, pg in groups.items()}
-    latest = {}
-    for e in record["entries"]:
-        latest[e["process_group"][0]] = max(latest.get(e["process_group"][0], -1), e["pg_id"])
-    record["entries"] = [e for e in record["entries"]
-                         if e["process_group"][0] in groups and e["pg_id"] == latest[e["process_group"][0]]
-                         and (asked_ns is None or e["time_created_ns"] <= asked_ns)]
+    record["entries"] = [e for e in record["entries"] if e["record_id"] >= since and e["process_group"][0] in groups]
+    for number, entry in enumerate(record["entries"]):
+        entry["record_id"] = number
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_bytes(pickle.dumps(record))
 
@@ -262,48 +269,92 @@ def collective_error(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def dump_on_timeout(folder: str, write_within: float = 30, poll: float = 0.1):
+def dump_on_timeout(folder: str, wait: float = 60, poll: float = 0.1):
     """On an engine, around code that may hang: for a gloo group, what TORCH_NCCL_DUMP_ON_TIMEOUT=1 has NCCL's
-    watchdog do. When a collective inside fails on a rank (the group's timeout, or a peer that gave up), that rank
-    says so in the group's store and prints one line, and every rank writes its flight recorder to
-    <folder>/fr_trace_rank_<rank> from a thread of its own, so a rank still busy in its own work writes what it had
-    done by then. The group is broken afterwards: destroy it."""
+    watchdog do. When a collective inside fails on a rank (the group's timeout, or a peer that gave up: gloo raises
+    both as RuntimeError, so any RuntimeError inside counts), that rank asks for the dumps in the group's store, and
+    every rank writes the collectives it recorded inside the block to <folder>/fr_trace_rank_<rank> from a thread of
+    its own, so a rank still busy in its own work writes what it had done by then. A rank whose block ended stays
+    until every rank's has, or until it has written, at most `wait` s. Each rank that wrote says so in one line. The
+    group is broken afterwards: destroy it."""
     import threading
 
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
-    store, rank, key = c10d._get_default_store(), dist.get_rank(), f"dump_on_timeout:{folder}"
-    written, done = threading.Event(), threading.Event()
+    store, rank, size = c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    key, path, since = f"dump_on_timeout:{folder}", os.path.join(folder, f"{FR_PREFIX}{rank}"), next_record_id()
+    written, done, failed = threading.Event(), threading.Event(), []
 
-    def watch():  # NCCL's watchdog thread, in short: it waits for any rank's word, then dumps
+    def watch():  # NCCL's watchdog, in short: wait for any rank's word, then write
         while not done.is_set():
             try:
-                if store.check([key]):
-                    write_flight_record(os.path.join(folder, f"{FR_PREFIX}{rank}"), asked_ns=time.time_ns())
-                    written.set()
-                    return
-            except RuntimeError:  # the store's server (rank 0's) is gone: nobody can ask for a dump any more
+                asked = store.check([key])
+            except RuntimeError:  # the store's server (rank 0's process) is gone: nobody can ask any more
+                return
+            if asked:
+                try:
+                    write_flight_record(path, since)
+                except Exception as exc:  # noqa: BLE001 (handed to the block's thread, which raises it)
+                    failed.append(exc)
+                written.set()
                 return
             time.sleep(poll)
 
     watcher = threading.Thread(target=watch, name="dump_on_timeout", daemon=True)
     watcher.start()
+    error = None
     try:
         yield
-    except RuntimeError as exc:  # DistBackendError, DistNetworkError are RuntimeErrors
-        store.set(key, str(rank))
-        print(f"rank {rank}: {collective_error(exc)}; flight recorder written")
-    finally:
-        if store.check([key]) and not written.wait(write_within):
-            raise TimeoutError(f"rank {rank}: its flight recorder was not written within {write_within:g} s")
+    except RuntimeError as exc:  # gloo's timeout, a peer gone
+        error = exc
+        try:
+            store.set(key, str(rank))
+        except RuntimeError:
+            pass  # the store went with rank 0's process: the others cannot be asked, this rank still writes below
+        if not store_alive(store):
+            write_flight_record(path, since)
+            written.set()
+    except BaseException:  # not a collective's failure: this rank leaves at once, counted so that none waits for it
         done.set()
-        watcher.join(timeout=5 * poll + 5)
+        try:
+            store.add(f"{key}:left", 1)
+        except RuntimeError:
+            pass
+        raise
+    try:  # stay until every rank has left its block (then no dump was asked), or this rank has written
+        left, deadline = store.add(f"{key}:left", 1), time.monotonic() + wait
+        while not written.is_set() and time.monotonic() < deadline and (left < size or store.check([key])):
+            time.sleep(poll)
+            left = store.add(f"{key}:left", 0)
+    except RuntimeError:  # the store is gone: nobody can ask any more
+        pass
+    done.set()
+    watcher.join(timeout=wait)
+    if watcher.is_alive():
+        raise TimeoutError(f"rank {rank}: its flight recorder's writer did not stop within {wait:g} s")
+    if failed:
+        raise failed[0]
+    if error is not None and not written.is_set():
+        raise TimeoutError(f"rank {rank}: {collective_error(error)}; its flight recorder was not written within "
+                           f"{wait:g} s (was the dump asked for in the group's store?)")
+    if written.is_set():
+        said = collective_error(error) if error is not None else "another rank's collective failed"
+        print(f"rank {rank}: {said}; flight recorder written")
+
+
+def store_alive(store) -> bool:
+    """Whether the group's store still answers (its server lives in rank 0's process)."""
+    try:
+        store.check(["dump_on_timeout"])
+        return True
+    except RuntimeError:
+        return False
 
 
 def fr_summary(report) -> str:
-    """torchfrtrace's first finding as the notebook prints it: its lines up to the stack of the call, without the
-    recorder's internal record id (it counts every collective the process made), and then the stack's line in the
-    learner's code ('line 9 of the cell', as collective_frame says it) in place of the stack's thirty frames."""
+    """torchfrtrace's first finding as the notebook prints it: its lines up to the stack of the call (the call of
+    the rank it compared the others with), without the recorder's internal record id, and then the stack's line in
+    the learner's code ('line 9 of the cell', as collective_frame says it) in place of the stack's thirty frames."""
     lines = report.splitlines() if isinstance(report, str) else list(report)
     at = next((i for i, line in enumerate(lines) if line.startswith("collective stack trace")), len(lines))
     kept = [line for line in lines[:at] if not line.startswith("internal record id")]
@@ -318,9 +369,11 @@ def fr_summary(report) -> str:
 
 
 def fr_verdicts(report) -> list[str]:
-    """torchfrtrace's report (`out = !torchfrtrace FOLDER`), one line per problem it found: 'collective #4: rank(s)
-    {1} never joined all_reduce' or 'collective #4: COLLECTIVE_TYPE_MISMATCH: Expected collective type ... (culprit
-    rank 0)'; ['no mismatch'] when it found none."""
+    """torchfrtrace's report (`report = !torchfrtrace FOLDER 2>&1`), one line per problem it found, in words that do
+    not depend on which rank it compared the others with (the rank of the first file the file system lists):
+    'collective #4: rank(s) {1} never joined all_reduce', 'collective #4: COLLECTIVE_TYPE_MISMATCH (all_reduce,
+    barrier)' (the two types in alphabetical order); ['no mismatch'] for a report that found nothing. A report this
+    cannot read (a traceback, missing dumps, a verdict of another kind) raises ValueError, never 'no mismatch'."""
     text = report if isinstance(report, str) else "\n".join(report)
     verdicts = []
     for block in re.split(r"\n(?=Collective sequence number|Not all ranks joining)", "\n" + text):
@@ -329,13 +382,20 @@ def fr_verdicts(report) -> list[str]:
             continue
         op = re.search(r"^collective: \w+:(\w+)", block, re.M)
         missing = re.search(r"^missing ranks: (\{.*\})", block, re.M)
-        error = re.search(r"^error msg: Culprit rank (\d+); Error type: (\w+), (.*)$", block, re.M)
+        error = re.search(r"^error msg: Culprit rank \d+; Error type: (\w+), (.*)$", block, re.M)
         if missing:
             verdicts.append(f"collective #{seq.group(1)}: rank(s) {missing.group(1)} never joined "
                             f"{op.group(1) if op else 'it'}")
         elif error:
-            verdicts.append(f"collective #{seq.group(1)}: {error.group(2)}: {error.group(3)} "
-                            f"(culprit rank {error.group(1)})")
+            types = re.findall(r"collective type: '(\w+)'", error.group(2))
+            said = f" ({', '.join(sorted(set(types)))})" if types else f": {error.group(2)}"
+            verdicts.append(f"collective #{seq.group(1)}: {error.group(1)}{said}")
+        else:
+            raise ValueError(f"torchfrtrace reported what this does not read: {block.strip()[:300]}")
+    unread = [line for line in text.splitlines() if re.search(r"Traceback|Error|cannot decide|Missing dump", line)
+              and not line.startswith("error msg:")]
+    if unread:
+        raise ValueError(f"torchfrtrace's report is not a verdict: {unread[-1][:300]}")
     return verdicts or ["no mismatch"]
 
 
