@@ -440,3 +440,35 @@ def test_a_pipeline_stage_holds_what_its_schedule_keeps_in_flight(cluster):
     one = lesson.activation_bytes(lesson.GPTConfig(), lesson.Layout(pp=2), 4, 0)
     assert runs["gpipe 8"]["peak"] - runs["gpipe 4"]["peak"] > 2 * one, (runs, one)
     assert runs["gpipe 8"]["peak"] > 2 * runs["1f1b 8"]["peak"], runs
+
+
+def test_a_memory_snapshot_is_replayed_as_memory_viz_replays_it():
+    """snapshot_peak on a snapshot in the GPU allocator's format (frames innermost first, with file and line): an
+    alloc adds its bytes and a completed free takes them away, a free only requested does not yet (so the peak is
+    4,500 B with A, B and C live; freeing at the request would give 4,000); what was live is sorted by the innermost
+    frame outside torch, with the call's text read from its line."""
+    import inspect
+    here = inspect.currentframe().f_lineno + 1
+    ours = {"filename": __file__, "line": here, "name": "the_test"}  # the line below: its text is the call's
+    inside = {"filename": "/site-packages/torch/nn/functional.py", "line": 2, "name": "linear"}
+    mine, theirs = [inside, ours], [inside]
+    trace = [dict(action="alloc", addr=1, size=1000, frames=mine), dict(action="alloc", addr=2, size=3000, frames=mine),
+             dict(action="free_requested", addr=1, size=1000, frames=mine),
+             dict(action="alloc", addr=3, size=500, frames=theirs),
+             dict(action="free_completed", addr=1, size=1000, frames=mine),
+             dict(action="alloc", addr=4, size=200, frames=mine)]
+    got = lesson.snapshot_peak({"segments": [], "device_traces": [trace]})
+    assert got["peak"] == 4500 and got["events"] == 6 and got["categories"] is None, got
+    call = 'ours = {"filename": __file__, "line": here, "name": "the_test"}  # the line below: its text is the call\'s'
+    assert got["places"] == [{"where": f"test_exercises_12.py:{here} the_test", "call": call, "MB": 0.004, "blocks": 2},
+                             {"where": "(inside torch)", "call": "", "MB": 0.0005, "blocks": 1}], got["places"]
+
+
+def test_a_cpu_snapshot_from_the_profiler_holds_the_lone_ranks_states_by_category():
+    """torch's snapshot of the profiler's memory events (the CPU's, in the allocator's format) at the lone rank's
+    peak: the GPT's parameters (433,152 B) and AdamW's two moments and step counts (2 x 433,152 + 37 x 4 B) by the
+    profiler's categories, and places named by function (the profiler's frames carry no call's line)."""
+    got = lesson.snapshot_peak(lesson.profiled_snapshot(lambda: lesson.train_alone(torch.device("cpu"))))
+    assert got["categories"]["parameter"] == 433_152, got["categories"]
+    assert got["categories"]["optimizer_state"] == 2 * 433_152 + 37 * 4, got["categories"]
+    assert all("call" not in row for row in got["places"]) and any("gpt.py" in r["where"] for r in got["places"])

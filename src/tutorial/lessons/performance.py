@@ -155,6 +155,96 @@ def wrap_ddp(model, layout: Layout, bucket_cap_mb: float | None = None):
     return DDP(model, gradient_as_bucket_view=not layout.buckets, init_sync=False, bucket_cap_mb=bucket_cap_mb)
 
 
+def train_alone(device, steps: int = 3, batch_size: int = 16) -> None:
+    """The lone rank's run of measure_memory("single") with nothing measured, for a memory recorder to watch: the
+    GPT built on `device`, then `steps` AdamW steps of `batch_size` sequences."""
+    cfg = GPTConfig()
+    model = GPT(cfg, seed=0).to(device)  # the parameters
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for X, y in batches(CharCorpus(), batch_size, cfg.context, steps, seed=0):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(X.to(device)), y.to(device)).backward()  # the activations, then the gradients
+        optimizer.step()  # the optimizer state, at the first step
+
+
+def profiled_snapshot(fn) -> dict:
+    """fn() under the profiler's memory events, turned by torch into a memory snapshot of the format the GPU
+    allocator's recorder writes (torch.cuda._memory_viz, what its profile_plot draws): every allocation and free,
+    with the Python calls it was made under and the profiler's category (parameter, gradient, activation, ...).
+    For the CPU, which has no allocator history of its own."""
+    from torch.cuda._memory_viz import _profile_to_snapshot
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    return _profile_to_snapshot(prof)
+
+
+def _frame_place(frame: dict) -> tuple[str, int, str, bool] | None:
+    """(file, line, function, whether the line is the call's) of a snapshot's frame outside torch, or None. The
+    allocator's frames name the file and the line of the call; the profiler's carry the function's first line in
+    their name ('tutorial/core/gpt.py(100): forward')."""
+    import re
+    filename, line, name = frame.get("filename", ""), frame.get("line", 0), frame.get("name", "")
+    exact = filename not in ("none", "", "??")
+    if not exact:
+        found = re.fullmatch(r"(.+\.py)\((\d+)\): (\S+)", name)
+        if not found:
+            return None  # a built-in, a module's name
+        filename, line, name = found.group(1), int(found.group(2)), found.group(3)
+    normal = filename.replace("\\", "/")
+    if normal.startswith("torch/") or "/torch/" in normal or "<frozen" in normal or not normal.endswith(".py"):
+        return None
+    return filename, line, name, exact
+
+
+def snapshot_peak(snapshot: dict, device: int = 0, top: int = 6) -> dict:
+    """A memory snapshot read as pytorch.org/memory_viz's timeline reads it: replay the device's trace (an alloc
+    adds its bytes, a completed free takes them away), find the moment the most was allocated, and sort what was
+    live then by where it was allocated, the innermost frame outside torch (file, line, function; and the call's
+    text where the frame has the call's line, as the allocator's do). Only what was allocated while the recorder
+    ran counts. {"peak": bytes, "events": the trace's length, "places": [{"where", "call", "MB", "blocks"}] largest
+    first (top of them, the rest in one row; no "call" where no frame has one), "categories": {category: bytes} at
+    the peak, where the snapshot has them (the profiler's), else None}."""
+    import os
+    live, total, peak, at_peak = {}, 0, 0, {}
+    trace = snapshot["device_traces"][device]
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+    import linecache
+    places: dict = {}
+    for event in at_peak.values():
+        place = next(filter(None, map(_frame_place, event.get("frames", []))), None)
+        if place is None:
+            key = ("(inside torch)", "")
+        else:  # the call's text where the frame has the call's line (the allocator's)
+            filename, line, name, exact = place
+            key = (f"{os.path.basename(filename)}:{line} {name}",
+                   linecache.getline(filename, line).strip() if exact else "")
+        bytes_, blocks = places.get(key, (0, 0))
+        places[key] = (bytes_ + event["size"], blocks + 1)
+    ranked = sorted(places.items(), key=lambda kv: -kv[1][0])
+    rows = [{"where": w, "call": text, "MB": b / 1e6, "blocks": n} for (w, text), (b, n) in ranked[:top]]
+    if len(ranked) > top:
+        rest = ranked[top:]
+        rows.append({"where": f"({len(rest)} other places)", "call": "", "MB": sum(b for _, (b, _) in rest) / 1e6,
+                     "blocks": sum(n for _, (_, n) in rest)})
+    if not any(row["call"] for row in rows):  # the profiler's frames: no call's text to show
+        rows = [{k: v for k, v in row.items() if k != "call"} for row in rows]
+    categories = None
+    if any("category" in e for e in at_peak.values()):
+        categories = {}
+        for event in at_peak.values():
+            categories[event.get("category") or "unknown"] = categories.get(event.get("category") or "unknown",
+                                                                             0) + event["size"]
+    return {"peak": peak, "events": len(trace), "places": rows, "categories": categories}
+
+
 def measure_memory(strategy: str, batch_size: int = 16, steps: int = 3, device=None) -> dict:
     """On every rank of a group (strategy "single": in this process, on `device` or the CPU, no group):
     `strategy`'s GPT trained for `steps` AdamW steps on the global batch (each data-parallel rank its share, TP ranks
