@@ -446,12 +446,13 @@ def test_a_memory_snapshot_is_replayed_as_memory_viz_replays_it():
     """snapshot_peak on a snapshot in the GPU allocator's format (frames innermost first, with file and line): an
     alloc adds its bytes and a completed free takes them away, a free only requested does not yet (so the peak is
     4,500 B with A, B and C live; freeing at the request would give 4,000); what was live is sorted by the innermost
-    frame outside torch, with the call's text read from its line."""
+    frame outside torch (not an outer one), with the call's text read from its line."""
     import inspect
     here = inspect.currentframe().f_lineno + 1
     ours = {"filename": __file__, "line": here, "name": "the_test"}  # the line below: its text is the call's
     inside = {"filename": "/site-packages/torch/nn/functional.py", "line": 2, "name": "linear"}
-    mine, theirs = [inside, ours], [inside]
+    outer = {"filename": "/somewhere/runner.py", "line": 7, "name": "main"}  # outside torch too, but not innermost
+    mine, theirs = [inside, ours, outer], [inside]
     trace = [dict(action="alloc", addr=1, size=1000, frames=mine), dict(action="alloc", addr=2, size=3000, frames=mine),
              dict(action="free_requested", addr=1, size=1000, frames=mine),
              dict(action="alloc", addr=3, size=500, frames=theirs),

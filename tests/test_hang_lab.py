@@ -34,7 +34,7 @@ HANGS = {  # what runs inside `with lesson.dump_on_timeout(folder):`, after thre
     "busy": f"""
     if rank == 1:
         start = time.monotonic()
-        while time.monotonic() - start < {TIMEOUT_S + 3}:  # its own work on the CPU (a metric, a batch)
+        while time.monotonic() - start < {TIMEOUT_S + 5}:  # its own work on the CPU (a metric, a batch)
             torch.randn(256, 256) @ torch.randn(256, 256)
     dist.all_reduce(torch.ones(4))
 """,
@@ -83,7 +83,7 @@ def analyze(folder: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def planted(cluster, tmp_path_factory):
-    """Every hang planted once (about 5 + 8 + 5 s of timeouts): {hang: (folder, the engines' stdout)}."""
+    """Every hang planted once (about 5 + 10 + 5 s of timeouts): {hang: (folder, the engines' stdout)}."""
     root = tmp_path_factory.mktemp("hangs")
     return {hang: (str(root / hang), plant(cluster, hang, str(root / hang))) for hang in HANGS}
 
@@ -168,3 +168,22 @@ def test_the_verdicts_are_read_from_the_analyzer_s_own_words_and_nothing_else_is
                    "({1}) so we don't have enough information."):
         with pytest.raises(ValueError):
             lesson.fr_verdicts(unread)
+
+
+def test_an_error_of_the_learners_own_code_leaves_the_block_as_it_came_and_asks_for_nothing(cluster, tmp_path):
+    """A RuntimeError raised by the code in the block, not by a collective, is no hang: it is raised as it came, on
+    every rank, and no rank asks for dumps or writes one (nor waits for the others)."""
+    cluster.new_master_port()
+    folder = str(tmp_path / "mine")
+    run = cluster.view.execute(INIT + f"""
+try:
+    with lesson.dump_on_timeout({folder!r}):
+        dist.all_reduce(torch.ones(4))
+        raise RuntimeError("a shape the learner got wrong")
+except RuntimeError as exc:
+    print("raised:", exc)
+dist.destroy_process_group()
+""", block=False)
+    run.get(timeout=60)
+    assert [out.strip() for out in run.stdout] == ["raised: a shape the learner got wrong"] * 2
+    assert not os.path.exists(folder)

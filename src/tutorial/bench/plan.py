@@ -183,12 +183,11 @@ def refuse(cfg: GPTConfig, layout: Layout, nodes: int, gpus_per_node: int, gpu_b
     reasons = layout_problems(layout, cfg.n_heads, cfg.n_layers, vocabulary=cfg.vocab_size,
                               context=cfg.context if layout.sequence_parallel else None, job=(nodes, gpus_per_node))
     if not reasons:
-        need, stage = max((plan_memory(cfg, layout, micro_batch, s, in_flight=in_flight(schedule, layout.pp,
-                                                                                          layout.pp, s))["total"], s)
+        held = [in_flight(schedule, layout.pp, layout.pp, s) for s in range(layout.pp)]  # a full pipeline's
+        need, stage = max((plan_memory(cfg, layout, micro_batch, s, in_flight=held[s])["total"], s)
                           for s in range(layout.pp))
         if need > gpu_bytes:
-            where = f" (stage {stage}, {in_flight(schedule, layout.pp, layout.pp, stage)} micro-batches in flight)" \
-                if layout.pp > 1 else ""
+            where = f" (stage {stage}, {held[stage]} micro-batches in flight)" if layout.pp > 1 else ""
             reasons.append(f"the planner needs {need / 1e9:.0f} GB per rank{where}, the GPU has "
                            f"{gpu_bytes / 1e9:.0f} GB")
     return reasons

@@ -268,22 +268,45 @@ def collective_error(exc: BaseException) -> str:
     return text.split(". ")[0].splitlines()[0]
 
 
+_dump_uses: dict = {}  # folder -> how many blocks have written there in this process (every rank counts the same)
+
+
+def _from_a_collective(exc: BaseException) -> bool:
+    """Whether exc was raised inside torch.distributed (a collective's timeout, a peer gone: gloo raises both as
+    plain RuntimeError), not by the learner's own code."""
+    import traceback
+    return any("/torch/distributed/" in frame.filename.replace("\\", "/")
+               for frame in traceback.extract_tb(exc.__traceback__))
+
+
 @contextlib.contextmanager
 def dump_on_timeout(folder: str, wait: float = 60, poll: float = 0.1):
     """On an engine, around code that may hang: for a gloo group, what TORCH_NCCL_DUMP_ON_TIMEOUT=1 has NCCL's
-    watchdog do. When a collective inside fails on a rank (the group's timeout, or a peer that gave up: gloo raises
-    both as RuntimeError, so any RuntimeError inside counts), that rank asks for the dumps in the group's store, and
-    every rank writes the collectives it recorded inside the block to <folder>/fr_trace_rank_<rank> from a thread of
-    its own, so a rank still busy in its own work writes what it had done by then. A rank whose block ended stays
-    until every rank's has, or until it has written, at most `wait` s. Each rank that wrote says so in one line. The
-    group is broken afterwards: destroy it."""
+    watchdog do. When a collective inside fails on a rank (the group's timeout, or a peer that gave up), that rank
+    asks for the dumps in the group's store and writes its own; every other rank writes the collectives it recorded
+    inside the block to <folder>/fr_trace_rank_<rank> from a thread of its own, so a rank still busy in its own work
+    writes what it had done by then. A rank whose block ended stays until every rank's has, or until it has written.
+    Each rank that wrote says so in one line, and the collective's error is not raised (the point is the dump); any
+    other error leaves the block as it came, nothing asked. Every wait is bounded: about 2 x `wait` s at most. The
+    group is broken after a failed collective: destroy it."""
     import threading
 
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
     store, rank, size = c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
-    key, path, since = f"dump_on_timeout:{folder}", os.path.join(folder, f"{FR_PREFIX}{rank}"), next_record_id()
-    written, done, failed = threading.Event(), threading.Event(), []
+    _dump_uses[folder] = _dump_uses.get(folder, 0) + 1  # a key per use: a folder used twice asks afresh
+    key = f"dump_on_timeout:{folder}:{_dump_uses[folder]}"
+    path, since = os.path.join(folder, f"{FR_PREFIX}{rank}"), next_record_id()
+    written, done, failed, lock = threading.Event(), threading.Event(), [], threading.Lock()
+
+    def write():  # once per rank, by whichever thread gets here first
+        with lock:
+            if not written.is_set():
+                try:
+                    write_flight_record(path, since)
+                except Exception as exc:  # noqa: BLE001 (raised in the block's thread)
+                    failed.append(exc)
+                written.set()
 
     def watch():  # NCCL's watchdog, in short: wait for any rank's word, then write
         while not done.is_set():
@@ -292,35 +315,41 @@ def dump_on_timeout(folder: str, wait: float = 60, poll: float = 0.1):
             except RuntimeError:  # the store's server (rank 0's process) is gone: nobody can ask any more
                 return
             if asked:
-                try:
-                    write_flight_record(path, since)
-                except Exception as exc:  # noqa: BLE001 (handed to the block's thread, which raises it)
-                    failed.append(exc)
-                written.set()
+                write()
                 return
             time.sleep(poll)
+
+    def stop_watching():
+        done.set()
+        watcher.join(timeout=wait)
+        if watcher.is_alive():
+            raise TimeoutError(f"rank {rank}: its flight recorder's writer did not stop within {wait:g} s")
 
     watcher = threading.Thread(target=watch, name="dump_on_timeout", daemon=True)
     watcher.start()
     error = None
     try:
         yield
-    except RuntimeError as exc:  # gloo's timeout, a peer gone
-        error = exc
-        try:
-            store.set(key, str(rank))
-        except RuntimeError:
-            pass  # the store went with rank 0's process: the others cannot be asked, this rank still writes below
-        if not store_alive(store):
-            write_flight_record(path, since)
-            written.set()
-    except BaseException:  # not a collective's failure: this rank leaves at once, counted so that none waits for it
-        done.set()
-        try:
-            store.add(f"{key}:left", 1)
-        except RuntimeError:
-            pass
+    except RuntimeError as exc:
+        if not _from_a_collective(exc):
+            error = exc
+        else:  # gloo's timeout, a peer gone: ask the others, then write this rank's own (it is not busy)
+            error = exc
+            try:
+                store.set(key, str(rank))
+            except RuntimeError:
+                pass  # the store went with rank 0's process: the others cannot be asked any more
+            stop_watching()
+            write()
+    except BaseException:
+        error = None
+        _leave(store, f"{key}:left")
+        stop_watching()
         raise
+    if error is not None and not _from_a_collective(error):  # the learner's own error: not a hang
+        _leave(store, f"{key}:left")
+        stop_watching()
+        raise error
     try:  # stay until every rank has left its block (then no dump was asked), or this rank has written
         left, deadline = store.add(f"{key}:left", 1), time.monotonic() + wait
         while not written.is_set() and time.monotonic() < deadline and (left < size or store.check([key])):
@@ -328,27 +357,20 @@ def dump_on_timeout(folder: str, wait: float = 60, poll: float = 0.1):
             left = store.add(f"{key}:left", 0)
     except RuntimeError:  # the store is gone: nobody can ask any more
         pass
-    done.set()
-    watcher.join(timeout=wait)
-    if watcher.is_alive():
-        raise TimeoutError(f"rank {rank}: its flight recorder's writer did not stop within {wait:g} s")
+    stop_watching()
     if failed:
         raise failed[0]
-    if error is not None and not written.is_set():
-        raise TimeoutError(f"rank {rank}: {collective_error(error)}; its flight recorder was not written within "
-                           f"{wait:g} s (was the dump asked for in the group's store?)")
     if written.is_set():
         said = collective_error(error) if error is not None else "another rank's collective failed"
         print(f"rank {rank}: {said}; flight recorder written")
 
 
-def store_alive(store) -> bool:
-    """Whether the group's store still answers (its server lives in rank 0's process)."""
+def _leave(store, counter: str) -> None:
+    """Count this rank out of a dump_on_timeout block, so that no rank waits for it; a store gone is no matter."""
     try:
-        store.check(["dump_on_timeout"])
-        return True
+        store.add(counter, 1)
     except RuntimeError:
-        return False
+        pass
 
 
 def fr_summary(report) -> str:

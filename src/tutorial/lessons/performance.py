@@ -171,12 +171,14 @@ def profiled_snapshot(fn) -> dict:
     """fn() under the profiler's memory events, turned by torch into a memory snapshot of the format the GPU
     allocator's recorder writes (torch.cuda._memory_viz, what its profile_plot draws): every allocation and free,
     with the Python calls it was made under and the profiler's category (parameter, gradient, activation, ...).
-    For the CPU, which has no allocator history of its own."""
+    For the CPU, which has no allocator history of its own: its trace is device 0 of what this returns."""
     from torch.cuda._memory_viz import _profile_to_snapshot
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         fn()
-    return _profile_to_snapshot(prof)
+    snapshot = _profile_to_snapshot(prof)
+    # torch puts the CPU's trace after every GPU's, last: it alone is returned, as device 0
+    return {"segments": snapshot["segments"][-1:], "device_traces": snapshot["device_traces"][-1:]}
 
 
 def _frame_place(frame: dict) -> tuple[str, int, str, bool] | None:
@@ -559,11 +561,11 @@ def dry_run(cfg: GPTConfig, layout: Layout, rank: int, nodes: int, gpus_per_node
             fully_shard(model, mesh=mesh["dp"])
         q = next(iter(model.blocks.values())).attn.q.weight
         local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()) * FLOAT
+        held = in_flight(schedule, layout.pp, layout.pp, stage)  # a full pipeline: pp micro-batches
         return dict(rank=rank, stage=stage, coordinates=dict(zip(("pp", "dp", "tp"), mesh.get_coordinate())),
                     q_global=tuple(q.shape), q_local=tuple(q.to_local().shape if hasattr(q, "to_local") else q.shape),
-                    parameter_bytes=local, micro_batches_in_flight=in_flight(schedule, layout.pp, layout.pp, stage),
-                    planned=plan_memory(cfg, layout, micro_batch, stage,
-                                        in_flight=in_flight(schedule, layout.pp, layout.pp, stage)),
+                    parameter_bytes=local, micro_batches_in_flight=held,
+                    planned=plan_memory(cfg, layout, micro_batch, stage, in_flight=held),
                     forward_collectives=forward_collectives(cfg, layout, stage))
     finally:
         dist.destroy_process_group()
