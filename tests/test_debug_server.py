@@ -16,7 +16,8 @@ import pytest
 from tutorial.core.process import free_port
 from tutorial.lessons import failures as lesson
 
-GROUP_TIMEOUT_S = 15  # how long the provoked hang lasts: the process group's timeout ends it on both ranks
+GROUP_TIMEOUT_S = 10  # how long the provoked hang lasts: the process group's timeout ends it on both ranks (the
+# pages are fetched 2 s in, and take well under a second each)
 
 START = f"""
 import datetime, torch, torch.distributed as dist, torch.distributed.debug
@@ -44,7 +45,7 @@ try:
     if rank == 0:
         dist.all_reduce(torch.ones(1))
     else:
-        time.sleep(2 * {timeout})
+        time.sleep({timeout} + 2)  # past rank 0's timeout, in no collective
 except RuntimeError:
     pass
 """.format(timeout=GROUP_TIMEOUT_S),
