@@ -72,6 +72,7 @@ def plant(cluster, hang: str, folder: str) -> list:
     cluster.new_master_port()
     run = cluster.view.execute(code(hang, folder), block=False)
     run.get(timeout=4 * TIMEOUT_S + 60)
+    run.wait_for_output(30)  # an engine's last lines may arrive after its result (fc33: rank 0's went missing)
     return [out.strip() for out in run.stdout]
 
 
@@ -185,5 +186,6 @@ except RuntimeError as exc:
 dist.destroy_process_group()
 """, block=False)
     run.get(timeout=60)
+    run.wait_for_output(30)
     assert [out.strip() for out in run.stdout] == ["raised: a shape the learner got wrong"] * 2
     assert not os.path.exists(folder)
