@@ -146,10 +146,14 @@ def collective_frame(stacks: str) -> tuple[str, str] | None:
         caller = next(((path, line) for path, line, _ in frames[inside[-1] + 1:]), None)
         if caller is None:
             return op, "(no caller)"
-        path, line = caller
-        cell = "ipykernel_" in path or re.fullmatch(r"\d+\.py", os.path.basename(path))  # IPython's cell files
-        return op, f"line {line} of the cell" if cell else f"{os.path.basename(path)}:{line}"
+        return op, _place(*caller)
     return None
+
+
+def _place(path: str, line) -> str:
+    """'line N of the cell' for code run in a notebook (IPython's cell files), else 'file:line'."""
+    cell = "ipykernel_" in path or re.fullmatch(r"\d+\.py", os.path.basename(path))
+    return f"line {line} of the cell" if cell else f"{os.path.basename(path)}:{line}"
 
 
 def last_collectives(events: str) -> list[dict]:
@@ -383,9 +387,7 @@ def fr_summary(report) -> str:
     for line in lines[at + 1:]:
         frame = re.match(r"\s*(\S+) at (.+):(\d+)$", line)
         if frame and "/torch/" not in frame.group(2):
-            cell = "ipykernel_" in frame.group(2) or re.fullmatch(r"\d+\.py", os.path.basename(frame.group(2)))
-            place = "the cell" if cell else os.path.basename(frame.group(2))
-            kept.append(f"called at line {frame.group(3)} of {place}")
+            kept.append(f"called at {_place(frame.group(2), frame.group(3))}")
             break
     return "\n".join(kept)
 
